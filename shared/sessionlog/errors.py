@@ -30,7 +30,6 @@ class SessionLogError(Exception):
         return out
 
 
-
 class InvalidEvent(SessionLogError):
     """An event does not match its type's schema (missing or mistyped field, or an unknown envelope key)."""
 

@@ -30,25 +30,25 @@ class _Wire(Struct, frozen=True, rename="camel", omit_defaults=True):
 # ---------------------------------------------------------------------------------------------- content
 
 
-class TextBlock(_Wire, tag="text", tag_field="type"):
+class TextBlock(_Wire, frozen=True, tag="text", tag_field="type"):
     text: str
 
 
-class ReasoningBlock(_Wire, tag="reasoning", tag_field="type"):
+class ReasoningBlock(_Wire, frozen=True, tag="reasoning", tag_field="type"):
     text: str
 
 
-class ImageBlock(_Wire, tag="image", tag_field="type"):
+class ImageBlock(_Wire, frozen=True, tag="image", tag_field="type"):
     attachment: dict[str, Any]
 
 
-class ToolCallBlock(_Wire, tag="tool-call", tag_field="type"):
+class ToolCallBlock(_Wire, frozen=True, tag="tool-call", tag_field="type"):
     id: str
     name: str
     arguments: str
 
 
-class ToolResultBlock(_Wire, tag="tool-result", tag_field="type"):
+class ToolResultBlock(_Wire, frozen=True, tag="tool-result", tag_field="type"):
     tool_call_id: str
     is_error: bool | UnsetType = UNSET
     content: tuple[Block, ...] = ()
@@ -57,7 +57,7 @@ class ToolResultBlock(_Wire, tag="tool-result", tag_field="type"):
 Block = TextBlock | ReasoningBlock | ImageBlock | ToolCallBlock | ToolResultBlock
 
 
-class Source(_Wire):
+class Source(_Wire, frozen=True):
     """Where a message came from. Other keys dsh writes here (form, sections, rpcId, ...) stay in the bytes."""
 
     kind: str
@@ -67,14 +67,14 @@ class Source(_Wire):
     plugin: str | UnsetType = UNSET
 
 
-class Message(_Wire):
+class Message(_Wire, frozen=True):
     id: str
     role: str
     source: Source
     content: tuple[Block, ...]
 
 
-class Usage(_Wire):
+class Usage(_Wire, frozen=True):
     input_tokens: NonNegInt
     output_tokens: NonNegInt
     cache_read_tokens: NonNegInt | UnsetType = UNSET
@@ -85,42 +85,42 @@ class Usage(_Wire):
 # ---------------------------------------------------------------------------------------------- chunks
 
 
-class BlockStartChunk(_Wire, tag="block-start", tag_field="type"):
+class BlockStartChunk(_Wire, frozen=True, tag="block-start", tag_field="type"):
     index: NonNegInt
     block_type: str
 
 
-class TextDeltaChunk(_Wire, tag="text-delta", tag_field="type"):
+class TextDeltaChunk(_Wire, frozen=True, tag="text-delta", tag_field="type"):
     index: NonNegInt
     text: str
 
 
-class ReasoningDeltaChunk(_Wire, tag="reasoning-delta", tag_field="type"):
+class ReasoningDeltaChunk(_Wire, frozen=True, tag="reasoning-delta", tag_field="type"):
     index: NonNegInt
     text: str
 
 
-class ToolCallDeltaChunk(_Wire, tag="tool-call-delta", tag_field="type"):
+class ToolCallDeltaChunk(_Wire, frozen=True, tag="tool-call-delta", tag_field="type"):
     index: NonNegInt
     id: str
     name: str | UnsetType = UNSET
     arguments_delta: str = ""
 
 
-class BlockEndChunk(_Wire, tag="block-end", tag_field="type"):
+class BlockEndChunk(_Wire, frozen=True, tag="block-end", tag_field="type"):
     index: NonNegInt
     block: Block
 
 
-class UsageChunk(_Wire, tag="usage", tag_field="type"):
+class UsageChunk(_Wire, frozen=True, tag="usage", tag_field="type"):
     usage: Usage
 
 
-class FinishReason(_Wire):
+class FinishReason(_Wire, frozen=True):
     kind: str
 
 
-class FinishChunk(_Wire, tag="finish", tag_field="type"):
+class FinishChunk(_Wire, frozen=True, tag="finish", tag_field="type"):
     reason: FinishReason
 
 
@@ -137,37 +137,37 @@ Chunk = (
 # ---------------------------------------------------------------------------------------------- turn/end
 
 
-class AbortReason(_Wire):
+class AbortReason(_Wire, frozen=True):
     kind: Literal["user", "parent", "hook", "disposed", "legacy"]
 
 
-class ErrorInfo(_Wire):
+class ErrorInfo(_Wire, frozen=True):
     message: str
     code: str
     status: int | UnsetType = UNSET
 
 
-class Completed(_Wire, tag="completed", tag_field="kind"):
+class Completed(_Wire, frozen=True, tag="completed", tag_field="kind"):
     pass
 
 
-class Aborted(_Wire, tag="aborted", tag_field="kind"):
+class Aborted(_Wire, frozen=True, tag="aborted", tag_field="kind"):
     reason: AbortReason
 
 
-class Blocked(_Wire, tag="blocked", tag_field="kind"):
+class Blocked(_Wire, frozen=True, tag="blocked", tag_field="kind"):
     pass
 
 
-class Errored(_Wire, tag="error", tag_field="kind"):
+class Errored(_Wire, frozen=True, tag="error", tag_field="kind"):
     error: ErrorInfo
 
 
-class MaxTokens(_Wire, tag="max-tokens", tag_field="kind"):
+class MaxTokens(_Wire, frozen=True, tag="max-tokens", tag_field="kind"):
     pass
 
 
-class Interrupted(_Wire, tag="interrupted", tag_field="kind"):
+class Interrupted(_Wire, frozen=True, tag="interrupted", tag_field="kind"):
     pass
 
 
@@ -176,27 +176,27 @@ TurnEndReason = Completed | Aborted | Blocked | Errored | MaxTokens | Interrupte
 # ---------------------------------------------------------------------------------------------- data
 
 
-class TurnStartData(_Wire):
+class TurnStartData(_Wire, frozen=True):
     turn: PosInt
 
 
-class TurnEndData(_Wire):
+class TurnEndData(_Wire, frozen=True):
     turn: PosInt
     reason: TurnEndReason
 
 
-class StepData(_Wire):
+class StepData(_Wire, frozen=True):
     turn: PosInt
     step: PosInt
 
 
-class AssistantChunkData(_Wire):
+class AssistantChunkData(_Wire, frozen=True):
     turn: PosInt
     step: PosInt
     chunk: Chunk
 
 
-class AssistantMessageData(_Wire):
+class AssistantMessageData(_Wire, frozen=True):
     turn: PosInt
     step: PosInt
     message: Message
@@ -204,7 +204,7 @@ class AssistantMessageData(_Wire):
     interrupted: bool | UnsetType = UNSET
 
 
-class ToolCallData(_Wire):
+class ToolCallData(_Wire, frozen=True):
     turn: PosInt
     step: PosInt
     call_id: str
@@ -212,12 +212,12 @@ class ToolCallData(_Wire):
     arguments: str
 
 
-class ToolError(_Wire):
+class ToolError(_Wire, frozen=True):
     name: str
     code: str
 
 
-class ToolResultData(_Wire):
+class ToolResultData(_Wire, frozen=True):
     turn: PosInt
     step: PosInt
     message: Message
@@ -225,47 +225,47 @@ class ToolResultData(_Wire):
     meta: dict[str, Any] | UnsetType = UNSET
 
 
-class ToolSpec(_Wire):
+class ToolSpec(_Wire, frozen=True):
     name: str
     description: str | UnsetType = UNSET
     parameters: dict[str, Any] | UnsetType = UNSET
 
 
-class RequestConfig(_Wire):
+class RequestConfig(_Wire, frozen=True):
     """Provider and model are required; sampling fields (temperature, maxTokens, stop, ...) stay in the bytes."""
 
     provider: str
     model: str
 
 
-class RequestHeader(_Wire):
+class RequestHeader(_Wire, frozen=True):
     config: RequestConfig
     adapter_defaults: dict[str, Any] | UnsetType = UNSET
     system: str | UnsetType = UNSET
     tools: list[ToolSpec] | UnsetType = UNSET
 
 
-class RequestHeaderData(_Wire):
+class RequestHeaderData(_Wire, frozen=True):
     header: RequestHeader
     reason: Literal["initial", "resume", "change"]
 
 
-class RequestContextData(_Wire):
+class RequestContextData(_Wire, frozen=True):
     provider: str
     model: str
     context_window: NonNegInt | UnsetType = UNSET
 
 
-class Todo(_Wire):
+class Todo(_Wire, frozen=True):
     content: str
     status: str
 
 
-class TodoWriteData(_Wire):
+class TodoWriteData(_Wire, frozen=True):
     todos: list[Todo]
 
 
-class EndSeedData(_Wire):
+class EndSeedData(_Wire, frozen=True):
     pass
 
 
@@ -333,11 +333,7 @@ PLUGIN_TYPE_PREFIXES: Final = ("tool-workflow/", "team/")
 
 
 def is_known_type(event_type: str) -> bool:
-    return (
-        event_type in CORE_DATA_TYPES
-        or event_type in PLUGIN_TYPES
-        or event_type.startswith(PLUGIN_TYPE_PREFIXES)
-    )
+    return event_type in CORE_DATA_TYPES or event_type in PLUGIN_TYPES or event_type.startswith(PLUGIN_TYPE_PREFIXES)
 
 
 # ---------------------------------------------------------------------------------------------- envelope
@@ -351,8 +347,8 @@ class Envelope(Struct, frozen=True, forbid_unknown_fields=True):
     data: Raw | UnsetType = UNSET
     seq: int | UnsetType = UNSET
     time: int | UnsetType = UNSET
-    surfaceOp: Any = UNSET  # noqa: N815 - wire name
-    sourceEventSeqs: Any = UNSET  # noqa: N815 - wire name
+    surfaceOp: Any = UNSET
+    sourceEventSeqs: Any = UNSET
     ignorable: bool | UnsetType = UNSET
 
 
@@ -429,7 +425,7 @@ def decode_event(raw: bytes, position: int) -> Event:
         data = env.data
     else:
         raise UnknownEventType(
-            f"unknown event type {kind!r} without \"ignorable\": true (it may shape reconstruction, so "
+            f'unknown event type {kind!r} without "ignorable": true (it may shape reconstruction, so '
             "it is not skipped silently)",
             seq=seq,
         )
@@ -450,8 +446,7 @@ def _check_tool_result_message(data: ToolResultData, seq: int) -> None:
     blocks = data.message.content
     if len(blocks) != 1 or not isinstance(blocks[0], ToolResultBlock):
         raise InvalidEvent(
-            f"tool/result: message must hold exactly one tool-result block, got "
-            f"{[type(b).__name__ for b in blocks]}",
+            f"tool/result: message must hold exactly one tool-result block, got {[type(b).__name__ for b in blocks]}",
             seq=seq,
         )
 
@@ -482,24 +477,13 @@ def data_bytes(event: Event) -> bytes:
 # ---------------------------------------------------------------------------------------------- creating
 
 
-class NewEvent(Struct, frozen=True, omit_defaults=True):
-    """The envelope of an event this library creates, in the key order dsh writes."""
-
-    type: str
-    data: Any
-    seq: int | UnsetType = UNSET
-    time: int | UnsetType = UNSET
-    surfaceOp: Any = UNSET  # noqa: N815 - wire name
-    sourceEventSeqs: Any = UNSET  # noqa: N815 - wire name
-
-
 class _OrderedNewEvent(Struct, frozen=True, omit_defaults=True):
     seq: int | UnsetType = UNSET
     time: int | UnsetType = UNSET
     type: str = ""
     data: Any = None
-    surfaceOp: Any = UNSET  # noqa: N815 - wire name
-    sourceEventSeqs: Any = UNSET  # noqa: N815 - wire name
+    surfaceOp: Any = UNSET
+    sourceEventSeqs: Any = UNSET
 
 
 _encoder: Final = msgspec.json.Encoder()

@@ -1,0 +1,19 @@
+"""Shared test setup: Hypothesis profiles and the path to the dsh fixtures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+
+# CI runs on 2 cores with a 90-minute limit for everything: keep property tests bounded there.
+settings.register_profile(
+    "ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.register_profile("dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=1000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURES_DIR = REPO_ROOT.parent / "shared" / "fixtures" / "dsh-sessions"

@@ -9,7 +9,7 @@ import click
 import typer
 
 from ..errors import SessionLogError
-from . import files
+from . import files, logcmds
 
 app = typer.Typer(
     name="sessionlog",
@@ -20,6 +20,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 files.register(app)
+logcmds.register(app)
 
 
 def error_line(err: SessionLogError) -> str:

@@ -1,0 +1,119 @@
+"""Commands that talk to the log on NATS: import, export, sessions, tail."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..log import SessionLog
+from ..settings import Settings
+
+T = TypeVar("T")
+
+
+def run_with_log(work: Callable[[SessionLog], Awaitable[T]]) -> T:
+    async def main() -> T:
+        log = await SessionLog.connect(Settings())
+        try:
+            return await work(log)
+        finally:
+            await log.close()
+
+    return asyncio.run(main())
+
+
+def import_(
+    file: Annotated[Path, typer.Argument(help="A .jsonl or .jsonl.zstd session log.", show_default=False)],
+    session_id: Annotated[str | None, typer.Option("--id", help="Import under this id instead of the file's.")] = None,
+) -> None:
+    """Copy a JSONL log into the stream, lossless (no closers are appended)."""
+
+    async def work(log: SessionLog) -> tuple[str, int]:
+        return await log.import_file(file, session_id)
+
+    sid, count = run_with_log(work)
+    typer.echo(f"imported {sid}: {count} events")
+
+
+def export(
+    session_id: Annotated[str, typer.Argument(help="The session to export.", show_default=False)],
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Output file (.jsonl or .jsonl.zstd).")] = None,
+) -> None:
+    """Write a session from the stream as JSONL (stdout without -o)."""
+
+    async def work(log: SessionLog) -> int:
+        if out is not None:
+            return await log.export_file(session_id, out)
+        from ..jsonl import encode_jsonl
+
+        header, session, _ = await log.load(session_id)
+        sys.stdout.buffer.write(encode_jsonl(header, [e.raw for e in session]))
+        sys.stdout.buffer.flush()
+        return len(session)
+
+    count = run_with_log(work)
+    if out is not None:
+        typer.echo(f"exported {session_id}: {count} events -> {out}")
+
+
+def sessions(
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
+) -> None:
+    """List sessions: id, events, open turn, parent; newest first."""
+    infos = run_with_log(lambda log: log.sessions())
+    if as_json:
+        import msgspec
+
+        for info in infos:
+            typer.echo(msgspec.json.encode(info).decode())
+        return
+    table = Table("session", "events", "open turn", "parent", "created")
+    for info in infos:
+        table.add_row(info.id, str(info.events), str(info.open_turn or ""), info.parent or "", _when(info.created_at))
+    Console().print(table)
+
+
+def _when(ms: int) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def tail(
+    session_id: Annotated[str, typer.Argument(help="The session to follow.", show_default=False)],
+    from_seq: Annotated[int, typer.Option("--from-seq", help="Print events from this session seq on.")] = 0,
+    limit: Annotated[int | None, typer.Option("--limit", help="Stop after this many events.")] = None,
+) -> None:
+    """Follow one session live: print its events (as logged, one per line) as they are appended."""
+
+    async def work(log: SessionLog) -> None:
+        if await log.header(session_id) is None:
+            from ..errors import SessionNotFound
+
+            raise SessionNotFound(f"session {session_id} not found")
+        printed = 0
+        async for record in log.reader.subscribe(session_id=session_id):
+            for offset, raw in enumerate(record.events):
+                if record.first_seq + offset < from_seq:
+                    continue
+                sys.stdout.buffer.write(raw + b"\n")
+                sys.stdout.buffer.flush()
+                printed += 1
+                if limit is not None and printed >= limit:
+                    return
+
+    run_with_log(work)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("import")(import_)
+    app.command()(export)
+    app.command()(sessions)
+    app.command()(tail)

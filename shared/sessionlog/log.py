@@ -1,0 +1,719 @@
+"""The session log on NATS JetStream: the client API agents use (`SessionLog`, `SessionWriter`).
+
+A writer validates every event with the session library before it is queued, so a bad event never reaches
+the stream. Queued events are published as records (one JetStream message = a contiguous run of events) when
+the write-behind window closes, when the batch reaches its size bound, or on `flush()`, which returns only
+when JetStream has acknowledged everything queued: it is the durability checkpoint.
+
+Each record is published with `Nats-Expected-Last-Subject-Sequence` = the stream seq of the session's previous
+record, so two writers can never interleave: the loser gets `CONFLICT` and is fenced. A timed-out publish is
+retried with the same `Nats-Msg-Id`; a `duplicate` answer, or "wrong last sequence" after a timeout, is settled
+by reading the stored record and comparing its digest, so nothing is doubled and nothing is reported written
+that was not acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import nats.errors
+from msgspec import UNSET
+from nats.aio.client import Client
+from nats.js.client import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+
+from .connection import connect as nats_connect
+from .errors import (
+    Conflict,
+    EventTooLarge,
+    LogUnavailable,
+    OpenTurn,
+    SessionAlreadyExists,
+    SessionLogError,
+    SessionNotFound,
+)
+from .events import Event, Message, Source, TextBlock, encode_new_event
+from .fork import plan_fork, resume_events
+from .ids import check_session_id
+from .jsonl import JsonlLog, SessionHeader, decode_header, read_jsonl, write_jsonl
+from .leases import Lease, LeaseLost, Leases
+from .provision import provision
+from .reader import StreamReader
+from .record import HEADER_ALLOWANCE, Record, encode_payload, in_subject, record_headers
+from .session import Session
+from .settings import Settings
+from .surface import ReplaceOp
+
+log = logging.getLogger("sessionlog.writer")
+
+ERR_WRONG_LAST_SEQUENCE: Final = 10071
+ERR_STREAM_STORE_FULL: Final = (10047, 10077, 10027)
+
+
+class LogFull(SessionLogError):
+    """The stream refused the write because it is full (`discard: new`): history is never dropped."""
+
+    code = "LOG_FULL"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """One line of `sessionlog sessions`."""
+
+    id: str
+    events: int
+    open_turn: int | None
+    parent: str | None
+    created_at: int
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class SessionLog:
+    """A connection to the log: creates, opens, forks, resumes, imports and exports sessions."""
+
+    def __init__(self, nc: Client, settings: Settings) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=settings.request_timeout_s)
+        self.settings = settings
+        self.reader = StreamReader(nc, settings.stream, timeout=settings.request_timeout_s)
+        self.leases = Leases(self.js, settings.kv_leases, timeout=settings.request_timeout_s)
+        self._kv_sessions: Any = None
+
+    @classmethod
+    async def connect(cls, settings: Settings | None = None, *, provision_stores: bool = True) -> SessionLog:
+        """Connect (starting the embedded server when no URL is set) and make sure the stream and stores exist."""
+        settings = settings or Settings()
+        nc = await nats_connect(settings)
+        self = cls(nc, settings)
+        try:
+            if provision_stores:
+                await provision(self.js, settings)
+            self._kv_sessions = await self.js.key_value(settings.kv_sessions)
+        except BaseException:
+            await nc.close()
+            raise
+        return self
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+
+    async def __aenter__(self) -> SessionLog:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def max_record_bytes(self) -> int:
+        bound = min(self.settings.write_max_bytes, self.nc.max_payload)
+        return max(1024, bound - HEADER_ALLOWANCE)
+
+    # ---------------------------------------------------------------------------------- headers
+
+    async def header(self, session_id: str) -> bytes | None:
+        """The session header (its JSONL header line) or None while the session is not visible."""
+        check_session_id(session_id)
+        try:
+            entry = await self._kv_sessions.get(session_id)
+        except (KeyNotFoundError, NotFoundError):
+            return None
+        value: bytes | None = entry.value
+        return value or None
+
+    async def _publish_header(self, session_id: str, header_raw: bytes) -> None:
+        try:
+            await self._kv_sessions.create(session_id, header_raw)
+        except KeyWrongLastSequenceError:
+            raise SessionAlreadyExists(f"session {session_id} already exists") from None
+
+    async def _require_absent(self, session_id: str) -> Record | None:
+        """Refuse an id that is taken; return the last record of an unfinished write (records, no header)."""
+        check_session_id(session_id)
+        if await self.header(session_id) is not None:
+            raise SessionAlreadyExists(f"session {session_id} already exists")
+        return await self.reader.last_record(session_id)
+
+    # ---------------------------------------------------------------------------------- reading
+
+    async def load(self, session_id: str, *, up_to_seq: int | None = None) -> tuple[bytes, Session, Record | None]:
+        """The session header, the validated log (its prefix up to `up_to_seq`, inclusive), and the last record
+        read. Raises `SESSION_NOT_FOUND` for a session that is not visible."""
+        header = await self.header(session_id)
+        if header is None:
+            raise SessionNotFound(f"session {session_id} not found")
+        records = await self.reader.records(session_id, up_to_seq=up_to_seq)
+        events = [e for r in records for e in r.events]
+        if up_to_seq is not None:
+            del events[up_to_seq + 1 :]
+        return header, Session(events), records[-1] if records else None
+
+    async def sessions(self) -> list[SessionInfo]:
+        """Every visible session, newest first."""
+        try:
+            keys = await self._kv_sessions.keys()
+        except NotFoundError:
+            return []
+        out: list[SessionInfo] = []
+        for key in keys:
+            header = await self.header(key)
+            if header is None:
+                continue
+            parsed = decode_header(header)
+            last = await self.reader.last_record(key)
+            out.append(
+                SessionInfo(
+                    id=key,
+                    events=last.next_seq if last else 0,
+                    open_turn=(last.open_turn or None) if last else None,
+                    parent=parsed.parent_session if isinstance(parsed.parent_session, str) else None,
+                    created_at=parsed.created_at,
+                )
+            )
+        out.sort(key=lambda s: (s.created_at, s.id), reverse=True)
+        return out
+
+    # ---------------------------------------------------------------------------------- writing
+
+    async def create(
+        self,
+        session_id: str,
+        *,
+        cwd: str | None = None,
+        origin: str | None = None,
+        delegation_depth: int = 0,
+        created_at: int | None = None,
+    ) -> SessionWriter:
+        """A new, empty session, visible at once, held by the returned writer."""
+        if await self._require_absent(session_id) is not None:
+            raise SessionAlreadyExists(f"session {session_id} has records from an unfinished import or fork")
+        header: dict[str, Any] = {
+            "type": "session",
+            "version": 0,
+            "id": session_id,
+            "createdAt": created_at or now_ms(),
+        }
+        if cwd is not None:
+            header["cwd"] = cwd
+        if origin is not None:
+            header["origin"] = origin
+        header["delegationDepth"] = delegation_depth
+        lease = await self._acquire(session_id)
+        try:
+            await self._publish_header(session_id, msgspec.json.encode(header))
+        except BaseException:
+            await lease.release()
+            raise
+        return SessionWriter(self, session_id, Session(), last_stream_seq=0, lease=lease)
+
+    async def open(self, session_id: str) -> SessionWriter:
+        """Continue a session whose last turn is closed; one a crash left open needs `resume`."""
+        lease = await self._acquire(session_id)
+        try:
+            _, session, last = await self.load(session_id)
+            if session.open_turn is not None:
+                raise OpenTurn(
+                    f"session {session_id} has turn {session.open_turn} open; resume it to close the turn first"
+                )
+        except BaseException:
+            await lease.release()
+            raise
+        return SessionWriter(self, session_id, session, last_stream_seq=last.stream_seq if last else 0, lease=lease)
+
+    async def resume(self, session_id: str) -> SessionWriter:
+        """Load, close a turn a crash left open (SPEC section 7), mark the seed end, durably; refused while a live
+        writer holds the session."""
+        lease = await self._acquire(session_id)
+        try:
+            _, session, last = await self.load(session_id)
+            writer = SessionWriter(
+                self, session_id, session, last_stream_seq=last.stream_seq if last else 0, lease=lease
+            )
+            for raw in resume_events(session, now_ms=now_ms()):
+                await writer.append(raw)
+            await writer.flush()
+        except BaseException:
+            await lease.release()
+            raise
+        return writer
+
+    async def fork(self, source_id: str, new_id: str, *, at: int | None = None) -> bytes:
+        """Copy the prefix up to `at` (inclusive; default the whole log) into a new session with a seed marker and
+        the header lineage. The parent is never touched. Returns the child's header."""
+        check_session_id(new_id)
+        parent_raw, session, _ = await self.load(source_id)
+        orphan = await self._require_absent(new_id)
+        created = now_ms()
+        plan = plan_fork(session, at, now_ms=created)
+        header = plan.child_header(child_id=new_id, parent=msgspec.json.decode(parent_raw), created_at=created)
+        header_raw = msgspec.json.encode(header)
+        await self._write_all(new_id, list(plan.events), orphan)
+        await self._publish_header(new_id, header_raw)
+        return header_raw
+
+    async def import_log(self, log_file: JsonlLog, session_id: str | None = None) -> tuple[str, int]:
+        """Copy a JSONL log into the stream as it is (no closers: a lossless copy). The session becomes visible
+        only when every record is written. Returns the id and the number of events."""
+        header_raw = log_file.header_raw
+        if session_id is not None and session_id != log_file.header.id:
+            header_obj = msgspec.json.decode(header_raw)
+            header_obj["id"] = session_id
+            header_raw = msgspec.json.encode(header_obj)
+        sid = check_session_id(session_id or log_file.header.id)
+        Session(log_file.events)  # validate everything before anything is sent
+        orphan = await self._require_absent(sid)
+        await self._write_all(sid, log_file.events, orphan)
+        await self._publish_header(sid, header_raw)
+        return sid, len(log_file.events)
+
+    async def import_file(self, path: Path, session_id: str | None = None) -> tuple[str, int]:
+        return await self.import_log(read_jsonl(path), session_id)
+
+    async def export_file(self, session_id: str, path: Path) -> int:
+        header, session, _ = await self.load(session_id)
+        write_jsonl(path, header, [e.raw for e in session])
+        return len(session)
+
+    async def _write_all(self, session_id: str, events: list[bytes], orphan: Record | None) -> None:
+        """Write a whole log with optimistic concurrency, continuing an unfinished earlier attempt when the
+        records it left are exactly a prefix of this log."""
+        start, last_stream_seq = 0, 0
+        if orphan is not None:
+            existing = await self.reader.events(session_id)
+            if existing != events[: len(existing)]:
+                raise SessionAlreadyExists(
+                    f"session {session_id} has {len(existing)} records' worth of other events from an unfinished "
+                    "import or fork"
+                )
+            start, last_stream_seq = len(existing), orphan.stream_seq
+        publisher = _Publisher(self, session_id, epoch=0)
+        batch: list[bytes] = []
+        size = 2
+        first = start
+        limit_bytes, limit_events = self.max_record_bytes, self.settings.write_max_events
+        probe = Session(events[:start]) if start else Session()
+        for seq in range(start, len(events)):
+            raw = events[seq]
+            if len(raw) + 3 > limit_bytes:
+                raise EventTooLarge(
+                    f"event is {len(raw)} bytes; a record carries at most {limit_bytes}: move its content to the "
+                    "blob store",
+                    seq=seq,
+                )
+            if batch and (size + len(raw) + 1 > limit_bytes or len(batch) >= limit_events):
+                last_stream_seq = await publisher.publish(batch, first, last_stream_seq, probe.open_turn or 0)
+                first, batch, size = seq, [], 2
+            probe.append(raw)
+            batch.append(raw)
+            size += len(raw) + 1
+        if batch:
+            await publisher.publish(batch, first, last_stream_seq, probe.open_turn or 0)
+
+    # ---------------------------------------------------------------------------------- leases
+
+    async def _acquire(self, session_id: str) -> _LeaseKeeper:
+        check_session_id(session_id)
+        holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        lease = await self.leases.acquire(session_id, holder, self.settings.lease_ttl_s)
+        return _LeaseKeeper(self.leases, lease, self.settings.effective_lease_refresh_s)
+
+    # ---------------------------------------------------------------------------------- blobs
+
+    async def put_blob(self, data: bytes, *, media_type: str = "application/octet-stream") -> dict[str, Any]:
+        """Store large content in the object store; the returned attachment dict is what events reference."""
+        import hashlib
+
+        name = "sha256:" + hashlib.sha256(data).hexdigest()
+        store = await self.js.object_store(self.settings.object_store)
+        with contextlib.suppress(Exception):
+            info = await store.get_info(name)
+            if info is not None and info.size == len(data):
+                return {"attachmentId": name, "mediaType": media_type, "bytes": len(data)}
+        await store.put(name, data)
+        return {"attachmentId": name, "mediaType": media_type, "bytes": len(data)}
+
+    async def get_blob(self, attachment_id: str) -> bytes:
+        store = await self.js.object_store(self.settings.object_store)
+        try:
+            result = await store.get(attachment_id)
+        except NotFoundError:
+            raise SessionNotFound(f"no blob {attachment_id}") from None
+        data: bytes = result.data or b""
+        return data
+
+
+class _LeaseKeeper:
+    """Holds a writer lease: refreshes it in the background and reports when it is lost."""
+
+    def __init__(self, leases: Leases, lease: Lease, interval_s: float) -> None:
+        self._leases = leases
+        self.lease = lease
+        self._interval = interval_s
+        self._callbacks: list[Any] = []
+        self._task: asyncio.Task[None] | None = asyncio.create_task(self._run(), name=f"lease-{lease.session_id}")
+
+    @property
+    def epoch(self) -> int:
+        return self.lease.epoch
+
+    def on_lost(self, callback: Any) -> None:
+        self._callbacks.append(callback)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                self.lease = await self._leases.refresh(self.lease)
+            except LeaseLost as err:
+                for callback in self._callbacks:
+                    callback(err.message)
+                return
+            except Exception as err:  # a transient failure: try again; the TTL decides whether it is lost
+                log.warning("lease refresh for %s failed: %s", self.lease.session_id, err)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    async def release(self) -> None:
+        await self.stop()
+        with contextlib.suppress(LeaseLost):
+            await self._leases.release(self.lease)
+
+
+class _Publisher:
+    """Publishes records of one session with optimistic concurrency and safe retries."""
+
+    def __init__(self, log: SessionLog, session_id: str, *, epoch: int) -> None:
+        self._log = log
+        self._session_id = session_id
+        self._epoch = epoch
+        self._subject = in_subject(session_id)
+
+    async def publish(self, events: list[bytes], first_seq: int, expected_last: int, open_turn: int) -> int:
+        """Publish one record; return its stream seq. Raises `CONFLICT`, `LOG_UNAVAILABLE` or `LOG_FULL`."""
+        payload = encode_payload(events)
+        headers = record_headers(
+            session_id=self._session_id,
+            first_seq=first_seq,
+            count=len(events),
+            epoch=self._epoch,
+            payload=payload,
+            expected_last=expected_last,
+            open_turn=open_turn,
+        )
+        budget = self._log.settings.request_timeout_s
+        deadline = time.monotonic() + budget
+        attempt_timeout = max(0.05, budget / 3)
+        timed_out = False
+        delay = 0.02
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LogUnavailable(
+                    f"session {self._session_id}: no acknowledgement for seqs "
+                    f"{first_seq}..{first_seq + len(events) - 1} "
+                    f"within {budget}s (the cluster may have lost quorum); nothing after seq {first_seq - 1} is "
+                    "reported written"
+                )
+            try:
+                reply = await self._log.nc.request(
+                    self._subject, payload, timeout=min(attempt_timeout, remaining), headers=headers
+                )
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                timed_out = True
+                await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 0.5)
+                continue
+            body = json.loads(reply.data)
+            error = body.get("error")
+            if error is None:
+                if body.get("duplicate"):
+                    return await self._settle_duplicate(int(body["seq"]), headers, first_seq)
+                return int(body["seq"])
+            code = error.get("err_code")
+            if code == ERR_WRONG_LAST_SEQUENCE:
+                if timed_out:
+                    landed = await self._landed(headers, first_seq)
+                    if landed is not None:
+                        return landed
+                raise Conflict(
+                    f"session {self._session_id}: another writer appended first (expected last stream seq "
+                    f"{expected_last}: {error.get('description')}); reload and retry",
+                    seq=first_seq,
+                )
+            if code in ERR_STREAM_STORE_FULL:
+                raise LogFull(
+                    f"stream {self._log.settings.stream} is full and refuses new records ({error.get('description')})",
+                    seq=first_seq,
+                )
+            if error.get("code") == 503:
+                timed_out = True
+                await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 0.5)
+                continue
+            raise LogUnavailable(f"session {self._session_id}: publish refused: {error}", seq=first_seq)
+
+    async def _landed(self, headers: dict[str, str], first_seq: int) -> int | None:
+        """After a timeout: the stream seq of our record if an earlier attempt stored it, else None."""
+        last = await self._log.reader.last_record(self._session_id)
+        if last is not None and last.first_seq == first_seq and last.digest == headers["Sessionlog-Digest"]:
+            return last.stream_seq
+        return None
+
+    async def _settle_duplicate(self, stream_seq: int, headers: dict[str, str], first_seq: int) -> int:
+        raw = await self._log.reader.leader_get(seq=stream_seq)
+        if raw is not None and raw.headers.get("Sessionlog-Digest") == headers["Sessionlog-Digest"]:
+            return stream_seq
+        raise Conflict(
+            f"session {self._session_id}: the stream holds a different record under message id "
+            f"{headers['Nats-Msg-Id']}; reload and retry",
+            seq=first_seq,
+        )
+
+
+class SessionWriter:
+    """The one writer of a session: validates, queues, batches, publishes, and holds the lease."""
+
+    def __init__(
+        self, log: SessionLog, session_id: str, session: Session, *, last_stream_seq: int, lease: _LeaseKeeper
+    ) -> None:
+        self.log = log
+        self.session_id = session_id
+        self._session = session
+        self._lease = lease
+        self._publisher = _Publisher(log, session_id, epoch=lease.epoch)
+        self._last_stream_seq = last_stream_seq
+        self._durable = len(session)  # number of events acknowledged
+        self._pending: list[bytes] = []
+        self._pending_turns: list[int] = []  # the open turn after each pending event (0: none)
+        self._pending_first = len(session)
+        self._waiters: list[tuple[int, asyncio.Future[int]]] = []
+        self._wake = asyncio.Event()
+        self._failed: SessionLogError | None = None
+        self._closed = False
+        self._timer: asyncio.TimerHandle | None = None
+        settings = log.settings
+        self._window = settings.write_window_ms / 1000
+        self._max_events = settings.write_max_events
+        self._max_bytes = log.max_record_bytes
+        self._pending_bytes = 2
+        self._task = asyncio.create_task(self._run(), name=f"sessionlog-writer-{session_id}")
+        lease.on_lost(self._lease_lost)
+
+    # ---------------------------------------------------------------------------------- state
+
+    @property
+    def session(self) -> Session:
+        """The writer's validated view of the log (durable and queued events)."""
+        return self._session
+
+    @property
+    def durable_seq(self) -> int:
+        """The last seq JetStream has acknowledged, -1 when none."""
+        return self._durable - 1
+
+    @property
+    def next_seq(self) -> int:
+        return len(self._session)
+
+    @property
+    def epoch(self) -> int:
+        return self._lease.epoch
+
+    @property
+    def last_stream_seq(self) -> int:
+        return self._last_stream_seq
+
+    # ---------------------------------------------------------------------------------- appending
+
+    async def append(self, raw: bytes) -> Event:
+        """Validate one event and queue it; raises the SPEC error and queues nothing when it is refused."""
+        self._raise_if_failed()
+        if len(raw) + 3 > self._max_bytes:
+            raise EventTooLarge(
+                f"event is {len(raw)} bytes; a record carries at most {self._max_bytes}: move large content to the "
+                "blob store (SessionLog.put_blob) and reference it by id",
+                seq=len(self._session),
+            )
+        event = self._session.append(raw)
+        self._pending.append(raw)
+        self._pending_turns.append(self._session.open_turn or 0)
+        self._pending_bytes += len(raw) + 1
+        if len(self._pending) >= self._max_events or self._pending_bytes >= self._max_bytes:
+            self._wake.set()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._window, self._wake.set)
+        if len(self._pending) > 8 * self._max_events:  # back-pressure: do not let the queue grow unbounded
+            await self.flush()
+        return event
+
+    async def emit(
+        self,
+        event_type: str,
+        data: Any,
+        *,
+        surface_op: Any = UNSET,
+        source_event_seqs: Any = UNSET,
+        time_ms: int | None = None,
+    ) -> Event:
+        """Encode a new event (seq and time filled in) and append it."""
+        raw = encode_new_event(
+            event_type,
+            data,
+            seq=self.next_seq if self._session.has_seqs else None,
+            time=time_ms if time_ms is not None else now_ms(),
+            surface_op=surface_op,
+            source_event_seqs=source_event_seqs,
+        )
+        return await self.append(raw)
+
+    async def compact(self, start: int, end: int, summary: str | Message, *, message_id: str | None = None) -> Event:
+        """Replace surface nodes start..end with a summary user message whose provenance names every shadowed
+        node; refused by the SPEC rules (including `REPLACE_SPLITS_TOOL_PAIR`) before anything is sent."""
+        plan = self._session.surface.plan_replace(self.next_seq, ReplaceOp(start=start, end=end))
+        if isinstance(summary, str):
+            summary = Message(
+                id=message_id or f"compaction-{uuid.uuid4()}",
+                role="user",
+                source=Source(kind="plugin", plugin="compact"),
+                content=(TextBlock(summary),),
+            )
+        return await self.emit(
+            "user/message",
+            summary,
+            surface_op={"op": "replace", "start": start, "end": end},
+            source_event_seqs=sorted(plan.shadowed),
+        )
+
+    async def flush(self) -> int:
+        """Wait until every queued event is acknowledged; return the last durable seq."""
+        self._raise_if_failed()
+        target = len(self._session)
+        if self._durable >= target:
+            return self._durable - 1
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiters.append((target, future))
+        self._wake.set()
+        return await future
+
+    async def close(self) -> None:
+        """Flush what is queued, stop, and release the lease."""
+        if self._closed:
+            return
+        try:
+            if self._failed is None:
+                await self.flush()
+        finally:
+            self._closed = True
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            await self._lease.release()
+
+    async def abandon(self) -> None:
+        """Stop without flushing or releasing the lease (a crash, as far as the log can tell)."""
+        self._closed = True
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+        await self._lease.stop()
+
+    async def __aenter__(self) -> SessionWriter:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---------------------------------------------------------------------------------- internals
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+        if self._closed:
+            raise Conflict(f"writer of session {self.session_id} is closed")
+
+    def _lease_lost(self, reason: str) -> None:
+        self._fence(Conflict(f"writer of session {self.session_id} lost its lease ({reason}); it is fenced: resume"))
+
+    def _fence(self, error: SessionLogError) -> None:
+        if self._failed is None:
+            self._failed = error
+            log.warning("writer fenced: %s", error)
+        for _, future in self._waiters:
+            if not future.done():
+                future.set_exception(error)
+        self._waiters.clear()
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._failed is not None:
+                return
+            while self._pending and self._failed is None:
+                batch, size = self._take_batch()
+                first = self._pending_first
+                try:
+                    stream_seq = await self._publisher.publish(
+                        batch, first, self._last_stream_seq, self._pending_turns[len(batch) - 1]
+                    )
+                except SessionLogError as err:
+                    self._fence(err)
+                    return
+                del self._pending[: len(batch)]
+                del self._pending_turns[: len(batch)]
+                self._pending_bytes -= size
+                self._pending_first += len(batch)
+                self._last_stream_seq = stream_seq
+                self._durable = self._pending_first
+                self._resolve()
+
+    def _take_batch(self) -> tuple[list[bytes], int]:
+        size = 2
+        count = 0
+        for raw in self._pending:
+            if count and (size + len(raw) + 1 > self._max_bytes or count >= self._max_events):
+                break
+            size += len(raw) + 1
+            count += 1
+        return self._pending[:count], size - 2
+
+    def _resolve(self) -> None:
+        keep: list[tuple[int, asyncio.Future[int]]] = []
+        for target, future in self._waiters:
+            if self._durable >= target:
+                if not future.done():
+                    future.set_result(self._durable - 1)
+            else:
+                keep.append((target, future))
+        self._waiters = keep
+
+
+def events_of(records: Iterable[Record]) -> list[bytes]:
+    return [e for r in records for e in r.events]
+
+
+__all__ = ["LogFull", "SessionHeader", "SessionInfo", "SessionLog", "SessionWriter"]

@@ -12,7 +12,7 @@ envelope are not (`INVALID_EVENT`).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, Union
 
 import msgspec
 from msgspec import UNSET, Meta, Raw, Struct, UnsetType
@@ -379,14 +379,32 @@ class Event(Struct, frozen=True, gc=False):
         return isinstance(self.surface_op, dict)
 
 
+def _typed_envelope(tag: str, data_type: type[Struct]) -> type[Struct]:
+    """The envelope of one core type, with its data Struct inline, so a core event decodes in one call."""
+    return msgspec.defstruct(
+        "Envelope_" + re.sub(r"\W", "_", tag),
+        [
+            ("data", data_type),
+            ("seq", int | UnsetType, UNSET),
+            ("time", int | UnsetType, UNSET),
+            ("surfaceOp", Any, UNSET),
+            ("sourceEventSeqs", Any, UNSET),
+            ("ignorable", bool | UnsetType, UNSET),
+        ],
+        tag=tag,
+        tag_field="type",
+        forbid_unknown_fields=True,
+        frozen=True,
+    )
+
+
+_TYPED_ENVELOPES: Final = {tag: _typed_envelope(tag, cls) for tag, cls in CORE_DATA_TYPES.items()}
+_TAG_OF: Final = {cls: tag for tag, cls in _TYPED_ENVELOPES.items()}
+_core_decoder: Final = msgspec.json.Decoder(Union[tuple(_TYPED_ENVELOPES.values())])  # noqa: UP007
 _envelope_decoder: Final = msgspec.json.Decoder(Envelope)
 _data_decoders: Final = {name: msgspec.json.Decoder(cls) for name, cls in CORE_DATA_TYPES.items()}
 _message_bytes_decoder: Final = msgspec.json.Decoder(_MessageBytes)
 _PATH_RE: Final = re.compile(r"`\$")
-
-
-def _where(seq: int | None) -> str:
-    return f"event {seq}" if seq is not None else "event"
 
 
 def decode_event(raw: bytes, position: int) -> Event:
@@ -395,6 +413,34 @@ def decode_event(raw: bytes, position: int) -> Event:
     `position` is where the event would stand in its log; it is the seq of an event without one and the seq
     named in errors. Raises `InvalidEvent` or `UnknownEventType`.
     """
+    try:
+        typed: Any = _core_decoder.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return _decode_slow(raw, position)
+    kind = _TAG_OF[type(typed)]
+    data = typed.data
+    has_seq = typed.seq is not UNSET
+    seq = typed.seq if has_seq else position
+    if kind == "tool/result":
+        _check_tool_result_message(data, seq)
+    elif kind == "user/message" and data.role != "user":
+        raise InvalidEvent(f"user/message: role must be 'user', got {data.role!r}", seq=seq)
+    return Event(
+        seq=seq,
+        type=kind,
+        raw=raw if type(raw) is bytes else bytes(raw),
+        data=data,
+        time=typed.time if typed.time is not UNSET else None,
+        has_seq=has_seq,
+        surface_op=typed.surfaceOp,
+        source_event_seqs=typed.sourceEventSeqs,
+        ignorable=typed.ignorable is True,
+    )
+
+
+def _decode_slow(raw: bytes, position: int) -> Event:
+    """Plugin and ignorable types, and every refusal: decode the envelope alone, then the data by type, so the
+    error names the type and the field."""
     try:
         env = _envelope_decoder.decode(raw)
     except msgspec.ValidationError as exc:
@@ -413,11 +459,8 @@ def decode_event(raw: bytes, position: int) -> Event:
             data = decoder.decode(env.data)
         except msgspec.ValidationError as exc:
             raise InvalidEvent(f"{kind}: {_PATH_RE.sub('`$.data', str(exc))}", seq=seq) from None
-        if kind == "tool/result":
-            _check_tool_result_message(data, seq)
-        elif kind == "user/message" and data.role != "user":
-            raise InvalidEvent(f"user/message: role must be 'user', got {data.role!r}", seq=seq)
-    elif is_known_type(kind):
+        raise AssertionError(f"{kind} decoded alone but not in its envelope")  # pragma: no cover
+    if is_known_type(kind):
         if env.data is UNSET or not bytes(env.data).lstrip().startswith(b"{"):
             raise InvalidEvent(f"{kind}: `data` must be an object", seq=seq)
         data = env.data

@@ -338,6 +338,11 @@ class Session:
         self._check_structure(event, replace=plan is not None)
         return plan
 
+    @staticmethod
+    def _check_markers(event: Event) -> None:
+        which = "surfaceOp" if event.surface_op is not UNSET else "sourceEventSeqs"
+        raise SurfaceMarkerForbidden(f"{event.type} is not a surface type and may not carry {which}", seq=event.seq)
+
     def _check_tool_result_replace(self, event: Event, plan: ReplacePlan) -> None:
         if plan.first != plan.last:
             raise ToolResultReplaceInvalid(

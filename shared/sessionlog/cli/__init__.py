@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
+from typer.exceptions import TyperException
 
 from ..errors import SessionLogError
 from . import files, logcmds
@@ -35,19 +35,21 @@ def main(argv: list[str] | None = None) -> int:
     except SessionLogError as err:
         print(error_line(err), file=sys.stderr)
         return 1
-    except click.exceptions.Exit as done:
-        return done.exit_code
-    except click.exceptions.Abort:
+    except typer.Exit as done:
+        return int(done.exit_code)
+    except typer.Abort:
         print("error: aborted", file=sys.stderr)
         return 130
-    except click.UsageError as err:
-        print(f"error: {err.format_message()}", file=sys.stderr)
-        return 2
-    except click.ClickException as err:
-        print(f"error: {err.format_message()}", file=sys.stderr)
-        return err.exit_code
+    except TyperException as err:
+        text = err.format_message() if hasattr(err, "format_message") else str(err)
+        if type(err).__name__ == "NoArgsIsHelpError":
+            print(text)
+            return 2
+        print(f"error: {' '.join(text.split())}", file=sys.stderr)
+        return int(getattr(err, "exit_code", 2))
     except OSError as err:
-        print(f"error: {err.strerror or err}: {err.filename}" if err.filename else f"error: {err}", file=sys.stderr)
+        where = f": {err.filename}" if err.filename else ""
+        print(f"error: {err.strerror or err}{where}", file=sys.stderr)
         return 2
     return result if isinstance(result, int) else 0
 

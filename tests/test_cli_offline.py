@@ -1,0 +1,185 @@
+"""The offline CLI on JSONL files: the acceptance checks drive exactly these commands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES_DIR
+
+from sessionlog.cli import main
+from sessionlog.jsonl import read_jsonl
+from sessionlog.repair import interrupted_turn_closers
+from sessionlog.session import Session
+
+PARALLEL = FIXTURES_DIR / "acp-agent-parallel-tool-calls-session.jsonl"
+UNKNOWN = (
+    FIXTURES_DIR / "examples__headless-agent__tests__semantic-checkpoint-snapshots__tool-outcome-unknown-session.jsonl"
+)
+
+
+def normalized(src: Path, dst: Path) -> Path:
+    """The fixture with the recorder's `"{{tools}}"` placeholder replaced by an empty list."""
+    dst.write_bytes(src.read_bytes().replace(b'"tools":"{{tools}}"', b'"tools":[]'))
+    return dst
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def parallel(tmp_path: Path) -> Path:
+    return normalized(PARALLEL, tmp_path / "parallel.jsonl")
+
+
+def test_check_prints_a_one_line_summary(capsys: pytest.CaptureFixture[str], parallel: Path) -> None:
+    code, out, err = run(capsys, "check", str(parallel))
+    assert code == 0 and err == ""
+    assert out.count("\n") == 1
+    assert "32 events" in out and "1 turns" in out and "no open turn" in out and "no torn tail" in out
+
+
+def test_check_reports_the_first_violation_with_code_and_seq(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"type":"session","version":0,"id":"s","createdAt":1}\n'
+        '{"seq":0,"time":1,"type":"turn/start","data":{"turn":1}}\n'
+        '{"seq":1,"time":1,"type":"turn/start","data":{"turn":2}}\n'
+    )
+    code, out, err = run(capsys, "check", str(bad))
+    assert code == 1 and out == ""
+    assert err.startswith("error STRUCTURE_INVALID at seq 1: ")
+    assert err.count("\n") == 1
+
+
+def test_check_reports_a_torn_tail_as_dropped(capsys: pytest.CaptureFixture[str], parallel: Path) -> None:
+    data = parallel.read_bytes()
+    parallel.write_bytes(data[: data.index(b"\n", 2000) + 30])  # cut inside a line
+    code, out, _ = run(capsys, "check", str(parallel))
+    assert code == 0
+    assert "torn tail dropped at line" in out and "turn 1 open" in out
+
+
+def test_derive_prints_the_messages_of_the_prefix_inclusive(capsys: pytest.CaptureFixture[str], parallel: Path) -> None:
+    code, out, _ = run(capsys, "derive", str(parallel), "--at", "4")
+    assert code == 0
+    messages = json.loads(out)
+    assert len(messages) == 1 and messages[0]["role"] == "user"
+    session = Session(read_jsonl(parallel).events)
+    code, out, _ = run(capsys, "derive", str(parallel))
+    assert json.loads(out) == [json.loads(m.raw) for m in session.derive_messages()]
+
+
+def test_transcript_json_entries_carry_their_seq(capsys: pytest.CaptureFixture[str], parallel: Path) -> None:
+    code, out, _ = run(capsys, "transcript", str(parallel), "--json")
+    assert code == 0
+    entries = json.loads(out)
+    session = Session(read_jsonl(parallel).events)
+    assert [e["seq"] for e in entries] == [e.seq for e in session.transcript()]
+    assert all(e["type"] in {"user/message", "assistant/message", "tool/result"} for e in entries)
+
+
+def test_transcript_text_is_readable(capsys: pytest.CaptureFixture[str], parallel: Path) -> None:
+    code, out, _ = run(capsys, "transcript", str(parallel))
+    assert code == 0
+    assert "--- turn 1 ---" in out and "read(" in out and "tool result" in out
+
+
+def test_repair_prints_closers_and_write_appends_them_durably(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = normalized(UNKNOWN, tmp_path / "u.jsonl")
+    log = read_jsonl(path)
+    prefix = tmp_path / "prefix.jsonl"
+    lines = path.read_bytes().split(b"\n")
+    prefix.write_bytes(b"\n".join(lines[:6]) + b"\n")  # header + seqs 0..4: the tool/call is durable
+    code, out, _ = run(capsys, "repair", str(prefix))
+    assert code == 0
+    closers = [line.encode() for line in out.splitlines()]
+    assert closers == list(interrupted_turn_closers(Session(log.events[:5])))
+    assert b"TOOL_OUTCOME_UNKNOWN" in closers[0]
+    code, out, _ = run(capsys, "repair", str(prefix), "--write")
+    assert code == 0
+    repaired = read_jsonl(prefix)
+    assert repaired.events[5:] == closers and Session(repaired.events).open_turn is None
+    code, out, _ = run(capsys, "repair", str(prefix))
+    assert code == 0 and out == ""  # nothing is open any more
+
+
+def test_repair_write_refuses_a_prefix(capsys: pytest.CaptureFixture[str], parallel: Path) -> None:
+    before = parallel.read_bytes()
+    code, _, err = run(capsys, "repair", str(parallel), "--at", "3", "--write")
+    assert code == 2 and "whole file" in err
+    assert parallel.read_bytes() == before
+
+
+def test_fork_writes_the_child_and_refuses_inside_an_open_turn(
+    capsys: pytest.CaptureFixture[str], parallel: Path, tmp_path: Path
+) -> None:
+    child = tmp_path / "child.jsonl"
+    code, _, err = run(capsys, "fork", str(parallel), "--at", "5", "--id", "kid", "-o", str(child))
+    assert code == 1 and err.startswith("error OPEN_TURN at seq 5:")
+    assert not child.exists()
+    code, out, _ = run(capsys, "fork", str(parallel), "--at", "31", "--id", "kid", "-o", str(child))
+    assert code == 0
+    forked = read_jsonl(child)
+    assert forked.header.id == "kid" and forked.header.seed_length == 32
+    assert forked.events[:32] == read_jsonl(parallel).events
+    assert b"session/end-seed" in forked.events[32]
+    code, _, err = run(capsys, "fork", str(parallel), "--id", "kid", "-o", str(child))
+    assert code == 1 and err.startswith("error SESSION_ALREADY_EXISTS")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["derive", "{file}", "--at", "abc"], "error: Invalid value for '--at'"),
+        (["derive", "{file}", "--at", "999"], "error INVALID_BOUNDARY"),
+        (["check", "/no/such/file.jsonl"], "error SESSION_NOT_FOUND"),
+        (["fork", "{file}", "--id", "bad id!", "-o", "{tmp}/x.jsonl"], "error INVALID_SESSION_ID"),
+        (["nonsense"], "error: No such command"),
+        (["check"], "error: Missing argument"),
+    ],
+)
+def test_bad_arguments_give_one_clear_line(
+    capsys: pytest.CaptureFixture[str], parallel: Path, tmp_path: Path, args: list[str], needle: str
+) -> None:
+    argv = [a.format(file=parallel, tmp=tmp_path) for a in args]
+    code, _, err = run(capsys, *argv)
+    assert code != 0
+    assert err.startswith(needle) and err.count("\n") == 1
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"not json\n",
+        b'{"type":"session","version":7,"id":"s","createdAt":1}\n',
+        b'{"type":"session","version":0,"id":"s","createdAt":1}\n{"seq":0,"type":"turn/start"}\n',
+        b'{"type":"session","version":0,"id":"s","createdAt":1}\n{"seq":0,"type":"mystery","data":{}}\n',
+    ],
+)
+def test_bad_files_give_one_clear_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    code, _, err = run(capsys, "check", str(path))
+    assert code == 1
+    assert err.startswith("error ") and err.count("\n") == 1
+
+
+def test_the_console_script_runs_as_a_process(parallel: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "sessionlog", "check", str(parallel)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok: 32 events")

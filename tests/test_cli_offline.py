@@ -128,7 +128,7 @@ def test_fork_writes_the_child_and_refuses_inside_an_open_turn(
     code, _, err = run(capsys, "fork", str(parallel), "--at", "5", "--id", "kid", "-o", str(child))
     assert code == 1 and err.startswith("error OPEN_TURN at seq 5:")
     assert not child.exists()
-    code, out, _ = run(capsys, "fork", str(parallel), "--at", "31", "--id", "kid", "-o", str(child))
+    code, _, _ = run(capsys, "fork", str(parallel), "--at", "31", "--id", "kid", "-o", str(child))
     assert code == 0
     forked = read_jsonl(child)
     assert forked.header.id == "kid" and forked.header.seed_length == 32

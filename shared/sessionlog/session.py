@@ -12,8 +12,8 @@ Everything handed out is immutable: bytes, tuples and frozen Structs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any, Final
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Final, overload
 
 import msgspec
 from msgspec import UNSET
@@ -87,6 +87,52 @@ class DerivedMessage:
 
     def __repr__(self) -> str:
         return f"DerivedMessage(seq={self.seq}, role={self.role!r})"
+
+
+class DerivedMessages(Sequence[DerivedMessage]):
+    """An immutable view of the first `len` derived messages of one generation.
+
+    Within a generation the backing list only grows, and a replace starts a new list, so a view handed out
+    earlier never changes: derive is O(1) per call and shares every message with the live cache.
+    """
+
+    __slots__ = ("_items", "_len")
+
+    def __init__(self, items: list[DerivedMessage], length: int) -> None:
+        self._items = items
+        self._len = length
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> DerivedMessage: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[DerivedMessage, ...]: ...
+    def __getitem__(self, index: int | slice) -> DerivedMessage | tuple[DerivedMessage, ...]:
+        if isinstance(index, slice):
+            return tuple(self._items[: self._len][index])
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError("derived message index out of range")
+        return self._items[index]
+
+    def __iter__(self) -> Iterator[DerivedMessage]:
+        items = self._items
+        for i in range(self._len):
+            yield items[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, DerivedMessages):
+            return len(self) == len(other) and all(a.raw == b.raw for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(m.raw for m in self))
+
+    def __repr__(self) -> str:
+        return f"DerivedMessages({self._len} messages)"
 
 
 class FoldedHeader(msgspec.Struct, frozen=True):
@@ -191,7 +237,7 @@ class Session:
         self._derived: list[DerivedMessage] = []
         self._derived_nodes = 0
         self._derived_generation = 0
-        self._derived_tuple: tuple[DerivedMessage, ...] | None = None
+        self._derived_view: DerivedMessages | None = None
         for event in events:
             self.append(event)
 
@@ -230,12 +276,12 @@ class Session:
     def generation(self) -> int:
         return self.surface.generation
 
-    def derive_messages(self) -> tuple[DerivedMessage, ...]:
+    def derive_messages(self) -> DerivedMessages:
         """The model-visible messages: each surface node mapped to its message (SPEC section 5)."""
-        if self._derived_tuple is not None:
-            return self._derived_tuple
+        if self._derived_view is not None:
+            return self._derived_view
         if self._derived_generation != self.surface.generation:
-            self._derived = []
+            self._derived = []  # a new list: views of the old generation keep theirs
             self._derived_nodes = 0
             self._derived_generation = self.surface.generation
         count = len(self.surface)
@@ -244,8 +290,8 @@ class Session:
             if message is not None:
                 self._derived.append(message)
         self._derived_nodes = count
-        self._derived_tuple = tuple(self._derived)
-        return self._derived_tuple
+        self._derived_view = DerivedMessages(self._derived, len(self._derived))
+        return self._derived_view
 
     def fold_request_header(self) -> FoldedHeader | None:
         """The latest request/header snapshot, or None when the log has none yet."""
@@ -300,6 +346,7 @@ class Session:
         other._call_node = dict(self._call_node)
         other._result_node = dict(self._result_node)
         other._derived = list(self._derived)
+        other._derived_view = None
         return other
 
     def prefix(self, last_seq: int) -> Session:
@@ -325,7 +372,8 @@ class Session:
         plan = self.surface.plan_replace(seq, op) if op is not None else None
         provenance = _parse_provenance(event)
         if plan is not None:
-            missing = [s for s in plan.shadowed if provenance is None or s not in provenance]
+            covered = frozenset(provenance or ())
+            missing = [s for s in plan.shadowed if s not in covered]
             if missing:
                 raise ProvenanceIncomplete(
                     f"surface replace: sourceEventSeqs must include every shadowed node; missing {missing}",
@@ -498,7 +546,7 @@ class Session:
             result_id = _result_id(event)
             if result_id is not None:
                 self._result_node[result_id] = seq
-            self._derived_tuple = None
+            self._derived_view = None
             if plan is None and kind == "assistant/message" and self.open_step is not None:
                 self.open_step.announced.extend(b for b in event.data.message.content if isinstance(b, ToolCallBlock))
             if plan is None and result_id is not None and self.open_step is not None:
@@ -557,7 +605,7 @@ def _without_result_content(event: Event) -> dict[str, Any]:
     return data
 
 
-def derive_messages(log: Session | Iterable[bytes | Event]) -> tuple[DerivedMessage, ...]:
+def derive_messages(log: Session | Iterable[bytes | Event]) -> DerivedMessages:
     """The derived messages of a log: a pure function of its events."""
     session = log if isinstance(log, Session) else Session(log)
     return session.derive_messages()

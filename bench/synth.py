@@ -1,0 +1,108 @@
+"""Synthetic session logs for benchmarks: realistic turns with streamed chunks, tool calls and results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sessionlog.events import encode_new_event
+
+
+class LogBuilder:
+    """Builds a valid log event by event, with seq and time."""
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+        self.turn = 0
+
+    def add(self, event_type: str, data: Any, **surface: Any) -> int:
+        seq = len(self.events)
+        self.events.append(encode_new_event(event_type, data, seq=seq, time=1_780_000_000_000 + seq, **surface))
+        return seq
+
+    def turn_with_tools(self, *, deltas: int = 40, tools: int = 2) -> None:
+        """One turn: a user message, a step that streams text and calls tools, a step that answers."""
+        self.turn += 1
+        t = self.turn
+        self.add("turn/start", {"turn": t})
+        msg = {
+            "id": f"u{t}",
+            "role": "user",
+            "source": {"kind": "user"},
+            "content": [{"type": "text", "text": "q" * 80}],
+        }
+        self.add("user/message", msg, surface_op="append")
+        self.add("step/start", {"turn": t, "step": 1})
+        if t == 1:
+            header = {"config": {"provider": "p", "model": "m", "temperature": 0.2}, "system": "be brief"}
+            self.add("request/header", {"header": header, "reason": "initial"})
+        first = self.add(
+            "assistant/chunk", {"turn": t, "step": 1, "chunk": {"type": "block-start", "index": 0, "blockType": "text"}}
+        )
+        for _ in range(deltas):
+            self.add(
+                "assistant/chunk", {"turn": t, "step": 1, "chunk": {"type": "text-delta", "index": 0, "text": "tok "}}
+            )
+        text = "tok " * deltas
+        self.add(
+            "assistant/chunk",
+            {"turn": t, "step": 1, "chunk": {"type": "block-end", "index": 0, "block": {"type": "text", "text": text}}},
+        )
+        calls = [
+            {"type": "tool-call", "id": f"c{t}-{i}", "name": "read", "arguments": '{"path":"a"}'} for i in range(tools)
+        ]
+        message = {
+            "id": f"a{t}",
+            "role": "assistant",
+            "source": {"kind": "model", "provider": "p", "model": "m"},
+            "content": [{"type": "text", "text": text}, *calls],
+        }
+        self.add(
+            "assistant/message",
+            {"turn": t, "step": 1, "message": message, "usage": {"inputTokens": 100, "outputTokens": deltas}},
+            surface_op="append",
+            source_event_seqs=list(range(first, len(self.events))),
+        )
+        call_seqs = [
+            self.add(
+                "tool/call", {"turn": t, "step": 1, "callId": c["id"], "name": "read", "arguments": c["arguments"]}
+            )
+            for c in calls
+        ]
+        for c, call_seq in zip(calls, call_seqs, strict=True):
+            result = {
+                "id": f"r-{c['id']}",
+                "role": "user",
+                "source": {"kind": "tool", "callId": c["id"]},
+                "content": [
+                    {"type": "tool-result", "toolCallId": c["id"], "content": [{"type": "text", "text": "x" * 200}]}
+                ],
+            }
+            self.add(
+                "tool/result",
+                {"turn": t, "step": 1, "message": result},
+                surface_op="append",
+                source_event_seqs=[call_seq],
+            )
+        self.add("step/end", {"turn": t, "step": 1})
+        self.add("step/start", {"turn": t, "step": 2})
+        answer = {
+            "id": f"a{t}b",
+            "role": "assistant",
+            "source": {"kind": "model", "provider": "p", "model": "m"},
+            "content": [{"type": "text", "text": "done"}],
+        }
+        self.add(
+            "assistant/message", {"turn": t, "step": 2, "message": answer}, surface_op="append", source_event_seqs=[]
+        )
+        self.add("step/end", {"turn": t, "step": 2})
+        self.add("turn/end", {"turn": t, "reason": {"kind": "completed"}})
+
+
+def synthetic_log(n_events: int, *, deltas: int = 40, tools: int = 2) -> list[bytes]:
+    builder = LogBuilder()
+    while len(builder.events) < n_events:
+        builder.turn_with_tools(deltas=deltas, tools=tools)
+    return builder.events
+
+
+HEADER = b'{"type":"session","version":0,"id":"bench","createdAt":1780000000000,"delegationDepth":0}'

@@ -1,0 +1,148 @@
+"""Connecting to NATS the way the settings say: given URLs with credentials and TLS, or the embedded server.
+
+`connect(settings)` is the one place a sessionlog process opens its NATS connection. With `nats_url` unset it
+starts the embedded nats-server on `embedded_port` with its store under `data_dir` (or reuses one that already
+listens there, started by another sessionlog process), and stops what it started when the interpreter exits.
+Every connection is refused, and closed, when the server is older than 2.11.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import threading
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+
+from sessionlog.embedded import LOOPBACK, EmbeddedServer, ServerStartFailed, check_version, port_open
+from sessionlog.errors import LogUnavailable
+from sessionlog.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+# Tries per server of the first connect (nats-py counts retries: 1 means two tries, reconnect_time_wait apart).
+_INITIAL_CONNECT_ATTEMPTS = 1
+
+_EMBEDDED: dict[tuple[int, Path], EmbeddedServer] = {}
+_EMBEDDED_LOCK = threading.Lock()
+
+
+def embedded_store_dir(settings: Settings) -> Path:
+    return settings.data_dir / "nats"
+
+
+def ensure_embedded(settings: Settings) -> str:
+    """Start the embedded server unless one listens on `embedded_port` already; return its URL. Blocking."""
+    key = (settings.embedded_port, settings.data_dir.resolve())
+    url = f"nats://{LOOPBACK}:{settings.embedded_port}"
+    with _EMBEDDED_LOCK:
+        server = _EMBEDDED.get(key)
+        if server is not None and server.running:
+            return url
+        if port_open(LOOPBACK, settings.embedded_port):
+            return url  # another sessionlog process runs it; the version check on connect still applies
+        server = EmbeddedServer(
+            embedded_store_dir(settings),
+            port=settings.embedded_port,
+            binary=settings.embedded_binary,
+            server_name="sessionlog-embedded",
+            log_path=settings.data_dir / "nats-server.log",
+        )
+        try:
+            server.start()
+        except ServerStartFailed:
+            if port_open(LOOPBACK, settings.embedded_port):
+                return url  # lost a start race with another process: use the winner's server
+            raise
+        _EMBEDDED[key] = server
+        return url
+
+
+def stop_embedded() -> None:
+    """Stop every embedded server this process started (they stop at interpreter exit anyway)."""
+    with _EMBEDDED_LOCK:
+        servers = list(_EMBEDDED.values())
+        _EMBEDDED.clear()
+    for server in servers:
+        server.stop()
+
+
+def tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """An SSL context from the TLS settings, or None when none is set (a `tls://` URL then uses the defaults)."""
+    if settings.nats_tls_ca is None and settings.nats_tls_cert is None:
+        return None
+    context = ssl.create_default_context(
+        purpose=ssl.Purpose.SERVER_AUTH, cafile=str(settings.nats_tls_ca) if settings.nats_tls_ca else None
+    )
+    if settings.nats_tls_cert is not None and settings.nats_tls_key is not None:
+        context.load_cert_chain(str(settings.nats_tls_cert), str(settings.nats_tls_key))
+    return context
+
+
+def connect_options(settings: Settings) -> dict[str, Any]:
+    """The nats-py `connect()` keyword arguments for credentials, TLS and timeouts (servers excluded)."""
+    options: dict[str, Any] = {"connect_timeout": settings.request_timeout_s}
+    if settings.nats_creds is not None:
+        options["user_credentials"] = str(settings.nats_creds)
+    if settings.nats_user is not None:
+        options["user"] = settings.nats_user
+        if settings.nats_password is not None:
+            options["password"] = settings.nats_password.get_secret_value()
+    if settings.nats_token is not None:
+        options["token"] = settings.nats_token.get_secret_value()
+    context = tls_context(settings)
+    if context is not None:
+        options["tls"] = context
+    return options
+
+
+async def connect(settings: Settings | None = None, *, name: str = "sessionlog", **overrides: Any) -> Client:
+    """Open a NATS connection as the settings say, and refuse (ServerTooOld) a server older than 2.11.
+
+    A server that cannot be reached is LogUnavailable within a few seconds (nats-py alone would retry its
+    initial connect for two minutes); once connected, the client reconnects for as long as it lives unless
+    `max_reconnect_attempts` says otherwise. `overrides` go to nats-py's `connect()` as they are.
+    """
+    settings = settings if settings is not None else Settings()
+    servers = settings.nats_servers()
+    if not servers:
+        servers = [await asyncio.to_thread(ensure_embedded, settings)]
+    reconnect_attempts = overrides.pop("max_reconnect_attempts", -1)
+    user_error_cb = overrides.pop("error_cb", None)
+    last_error: list[BaseException] = []
+
+    async def error_cb(err: Exception) -> None:
+        last_error[:] = [err]
+        if user_error_cb is not None:
+            await user_error_cb(err)
+        else:
+            logger.warning("nats: %s", err or type(err).__name__)
+
+    options = {
+        **connect_options(settings),
+        "name": name,
+        "error_cb": error_cb,
+        "max_reconnect_attempts": _INITIAL_CONNECT_ATTEMPTS,
+        **overrides,
+    }
+    try:
+        nc = await nats.connect(servers=servers, **options)
+    except (TimeoutError, nats.errors.Error, OSError) as exc:
+        cause = last_error[0] if last_error else exc
+        raise LogUnavailable(
+            f"cannot connect to NATS at {', '.join(servers)}: {cause or type(cause).__name__}"
+        ) from cause
+    # nats-py reads this option on every reconnect, so the bounded first attempt does not bound later ones.
+    nc.options["max_reconnect_attempts"] = reconnect_attempts
+    try:
+        where = nc.connected_url.netloc if nc.connected_url is not None else ",".join(servers)
+        check_version(str(nc._server_info.get("version", "")), what=f"nats-server at {where}")
+    except BaseException:
+        await nc.close()
+        raise
+    return nc

@@ -1,0 +1,129 @@
+"""pytest fixtures and helpers for tests against real nats-server processes.
+
+Load it with `pytest_plugins = ["natsfixtures"]` (in the root conftest.py, or in a test module); importing the
+fixtures by name also works but trips ruff's F811 on every test parameter. Async tests that use the
+module-scoped `nc` / `js` must run on the module's event loop: mark them
+`pytest.mark.asyncio(loop_scope="module")` (a connection cannot move between loops), or set
+`asyncio_default_test_loop_scope = "module"` in pyproject.
+
+`nats_server` is one embedded server per test module, on a free port in a temporary folder, killed at the end;
+`provisioned` is the log layout provisioned there once. With `SESSIONLOG_TEST_NATS_URL` set, tests use that
+server instead and start nothing. The event stream's subjects are fixed (`sessionlog.in.*`) and stream subjects
+may not overlap within an account, so one server holds one log: a test that needs its own layout (other
+settings, a mismatch) takes `fresh_server` / `fresh_js`, a server of its own (starting one takes ~50 ms).
+Tests sharing a server use session ids of their own (`new_session_id()`).
+
+PYTEST_DONT_REWRITE: this module holds no assertions, and test modules import its helpers before pytest
+loads it as a plugin (`pytest_plugins = ["natsfixtures"]`).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from sessionlog.embedded import Cluster, EmbeddedServer
+from sessionlog.provision import provision
+from sessionlog.settings import Settings
+
+TEST_URL_ENV = "SESSIONLOG_TEST_NATS_URL"
+
+
+@dataclass(frozen=True)
+class ExternalServer:
+    """A server the environment provides (SESSIONLOG_TEST_NATS_URL); tests cannot kill or restart it."""
+
+    url: str
+
+
+def start_server(data_dir: Path, **options: Any) -> EmbeddedServer:
+    """An embedded server on free loopback ports in `data_dir`, started and JetStream-ready."""
+    return EmbeddedServer(data_dir, **options).start()
+
+
+def start_cluster(base_dir: Path, *, size: int = 3, name: str | None = None) -> Cluster:
+    """A routed loopback cluster, every node healthy (a meta leader is elected). Stop it when done."""
+    return Cluster(base_dir, size=size, name=name or f"t{uuid.uuid4().hex[:6]}").start()
+
+
+def log_settings(url: str, **overrides: Any) -> Settings:
+    """Settings for the log at `url`, reading no environment or `.env` (a developer's own must not leak in)."""
+    return Settings(_env_file=None, nats_url=url, **overrides)
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer | ExternalServer]:
+    url = os.environ.get(TEST_URL_ENV)
+    if url:
+        yield ExternalServer(url)
+        return
+    server = start_server(tmp_path_factory.mktemp("nats"))
+    try:
+        yield server
+    finally:
+        server.kill()  # test data is throwaway: no clean shutdown needed
+
+
+@pytest.fixture(scope="module")
+def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    cluster = start_cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        yield cluster
+    finally:
+        for server in cluster.servers:
+            server.kill()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def nc(nats_server: EmbeddedServer | ExternalServer) -> AsyncIterator[Client]:
+    client = await nats.connect(nats_server.url, connect_timeout=5, max_reconnect_attempts=5)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def js(nc: Client) -> JetStreamContext:
+    return nc.jetstream(timeout=5.0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def provisioned(nats_server: EmbeddedServer | ExternalServer, js: JetStreamContext) -> Settings:
+    """Settings of the log on the module's server, provisioned (streams, buckets, object store)."""
+    settings = log_settings(nats_server.url)
+    await provision(js, settings)
+    return settings
+
+
+@pytest.fixture
+def fresh_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
+    """A server of the test's own, killed when the test ends."""
+    server = start_server(tmp_path / "nats")
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def fresh_js(fresh_server: EmbeddedServer) -> AsyncIterator[JetStreamContext]:
+    client = await nats.connect(fresh_server.url, connect_timeout=5, max_reconnect_attempts=5)
+    try:
+        yield client.jetstream(timeout=5.0)
+    finally:
+        await client.close()
+
+
+def new_session_id(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"

@@ -187,43 +187,26 @@ class LogUnavailable(SessionLogError):
     code = "LOG_UNAVAILABLE"
 
 
-ERRORS_BY_CODE: dict[str, type[SessionLogError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidEvent,
-        SeqNotContiguous,
-        SurfaceMarkerRequired,
-        SurfaceMarkerForbidden,
-        InvalidSurfaceOp,
-        ReplaceRangeNotFound,
-        ReplaceRangeInverted,
-        ProvenanceInvalid,
-        ProvenanceIncomplete,
-        ToolResultReplaceInvalid,
-        StructureInvalid,
-        UnknownEventType,
-        CorruptLog,
-        ReplaceSplitsToolPair,
-        EventTooLarge,
-        UnsupportedVersion,
-        InvalidBoundary,
-        OpenTurn,
-        SessionNotFound,
-        SessionAlreadyExists,
-        InvalidSessionId,
-        Conflict,
-        DerivationDiverges,
-        HeaderDiverges,
-        UnsupportedContent,
-        LogUnavailable,
-    )
-}
+def errors_by_code() -> dict[str, type[SessionLogError]]:
+    """Every error class this process knows, by code (subclasses defined in other modules included)."""
+    found: dict[str, type[SessionLogError]] = {}
+    pending: list[type[SessionLogError]] = [SessionLogError]
+    while pending:
+        cls = pending.pop()
+        found.setdefault(cls.code, cls)
+        pending.extend(cls.__subclasses__())
+    return found
 
 
 def error_from_code(code: str, message: str, *, seq: int | None = None) -> SessionLogError:
     """Rebuild a typed error from its wire form (a micro-service reply, a CLI line)."""
-    cls = ERRORS_BY_CODE.get(code, SessionLogError)
-    err = cls(message, seq=seq)
-    if cls is SessionLogError:
+    cls = errors_by_code().get(code)
+    if cls is None:
+        err = SessionLogError(message, seq=seq)
         err.code = code  # type: ignore[misc]
-    return err
+        return err
+    return cls(message, seq=seq)
+
+
+# The codes of this module (SPEC section 10 and the log's own); `errors_by_code()` also finds later subclasses.
+ERRORS_BY_CODE: dict[str, type[SessionLogError]] = errors_by_code()

@@ -321,10 +321,13 @@ class Session:
 
     def check(self, event: bytes | Event) -> Event:
         """Validate one event as the next append would, without appending it."""
+        return self.plan(event)[0]
+
+    def plan(self, event: bytes | Event) -> tuple[Event, ReplacePlan | None]:
+        """Validate one event as the next append would, without appending it; with the replace it would make."""
         if not isinstance(event, Event):
             event = decode_event(event, len(self._events))
-        self._check(event)
-        return event
+        return event, self._check(event)
 
     def extend(self, events: Iterable[bytes | Event]) -> None:
         for event in events:

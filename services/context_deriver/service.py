@@ -1,0 +1,219 @@
+"""The context-deriver projection and its micro endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Any, ClassVar, Final
+
+import msgspec
+from nats.micro import add_service
+from nats.micro.service import EndpointConfig, Service
+
+from sessionlog.errors import InvalidBoundary, InvalidEvent, LogUnavailable, SessionLogError, SessionNotFound
+from sessionlog.ids import check_session_id
+from sessionlog.log import SessionLog
+from sessionlog.micro import spawning
+from sessionlog.record import Record
+from sessionlog.runner import Projection, ProjectionRunner, SessionState
+from sessionlog.session import Session
+
+SERVICE: Final = "sessionlog-context"
+PAGE_FRACTION: Final = 0.8  # of the server's max payload, leaving room for the envelope
+
+
+class DeriverState(SessionState):
+    """One session's validated log; the surface and derived messages live in its `Session`."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(session_id)
+        self.session = Session()
+        self._digest_key: tuple[int, int] | None = None
+        self._digest: tuple[bytes, str] = (b"[]", hashlib.sha256(b"[]").hexdigest())
+
+    def apply(self, record: Record) -> None:
+        for raw in record.events:
+            self.session.append(raw)
+
+    def canonical(self) -> tuple[bytes, str]:
+        """The canonical messages array and its SHA-256, cached until the session changes."""
+        key = (len(self.session), self.session.generation)
+        if key != self._digest_key:
+            self._digest = canonical_messages(self.session)
+            self._digest_key = key
+        return self._digest
+
+
+def canonical_messages(session: Session) -> tuple[bytes, str]:
+    body = b"[" + b",".join(m.canonical for m in session.derive_messages()) + b"]"
+    return body, hashlib.sha256(body).hexdigest()
+
+
+class ContextDeriver(Projection[DeriverState]):
+    name: ClassVar[str] = "context-deriver"
+
+    def new_state(self, session_id: str) -> DeriverState:
+        return DeriverState(session_id)
+
+
+class ContextDeriverService:
+    """The projection runner plus the micro endpoints."""
+
+    def __init__(self, log: SessionLog, runner: ProjectionRunner[DeriverState] | None = None, **runner_options: Any):
+        self.log = log
+        self.runner = runner or ProjectionRunner(log, ContextDeriver(), **runner_options)
+        self._service: Service | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        await self.runner.start()
+        self._service = await add_service(
+            self.log.nc, name=SERVICE, version="0.1.0", description="derived model context of sessions"
+        )
+        group = self._service.add_group(name="sessionlog.context")
+        for name, handler in (("derive", self.derive), ("plan_replace", self.plan_replace), ("stats", self.stats)):
+            await group.add_endpoint(EndpointConfig(name=name, handler=spawning(SERVICE, name, handler, self._tasks)))
+
+    async def stop(self) -> None:
+        if self._service is not None:
+            await self._service.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        await self.runner.stop()
+
+    # ---------------------------------------------------------------------------------- sessions
+
+    async def session(self, session_id: str, *, min_seq: int | None, timeout: float) -> Session:
+        """The session as this replica can vouch for it, reflecting at least `min_seq` when given."""
+        check_session_id(session_id)
+        if self.runner.owns(session_id):
+            if min_seq is not None:
+                try:
+                    return (await self.runner.wait_for(session_id, min_seq, timeout)).session
+                except TimeoutError as exc:
+                    raise LogUnavailable(str(exc)) from None
+            state = await self.runner.state(session_id)
+            if state is not None:
+                return state.session
+        else:
+            deadline = time.monotonic() + timeout
+            while True:
+                events = await self.log.reader.events(session_id)
+                if events and (min_seq is None or len(events) > min_seq):
+                    return Session(events)
+                if time.monotonic() >= deadline or (not events and min_seq is None):
+                    break
+                await asyncio.sleep(0.01)
+            if events:
+                raise LogUnavailable(
+                    f"session {session_id}: seq {min_seq} not in the log within {timeout}s (have {len(events) - 1})"
+                )
+        if await self.log.header(session_id) is None:
+            raise SessionNotFound(f"session {session_id} not found")
+        if min_seq is not None and min_seq >= 0:
+            raise LogUnavailable(f"session {session_id}: seq {min_seq} not in the log within {timeout}s (empty)")
+        return Session()
+
+    # ---------------------------------------------------------------------------------- endpoints
+
+    async def derive(self, body: dict[str, Any]) -> bytes:
+        session_id = _str(body, "session")
+        min_seq = _opt_int(body, "min_seq")
+        at_seq = _opt_int(body, "at_seq")
+        page = _opt_int(body, "page") or 0
+        timeout = (_opt_int(body, "timeout_ms") or int(self.log.settings.request_timeout_s * 1000)) / 1000
+        targets = [s for s in (min_seq, at_seq) if s is not None]
+        wait_for = max(targets) if targets else None
+        session = await self.session(session_id, min_seq=wait_for, timeout=timeout)
+        if at_seq is not None:
+            if at_seq >= len(session):
+                raise InvalidBoundary(f"at_seq {at_seq} is past the end of session {session_id} ({len(session)})")
+            session = session.prefix(at_seq)
+            messages_body, digest = canonical_messages(session)
+        else:
+            state = self.runner.states.get(session_id)
+            if state is not None and state.session is session:
+                messages_body, digest = state.canonical()
+            else:
+                messages_body, digest = canonical_messages(session)
+        header = session.fold_request_header()
+        reply = {
+            "session": session_id,
+            "seq": len(session) - 1,
+            "generation": session.generation,
+            "header": header.to_builtins() if header is not None else None,
+            "sha256": digest,
+        }
+        limit = int(self.log.nc.max_payload * PAGE_FRACTION)
+        if len(messages_body) + 1024 <= limit and page == 0:
+            return _with_messages(reply, messages_body)
+        pages = _pages([m.canonical for m in session.derive_messages()], limit - 2048)
+        if page >= len(pages):
+            raise InvalidBoundary(f"page {page} does not exist; the derivation has {len(pages)} pages")
+        if page + 1 < len(pages):
+            reply["next_page"] = page + 1
+        return _with_messages(reply, b"[" + b",".join(pages[page]) + b"]")
+
+    async def plan_replace(self, body: dict[str, Any]) -> dict[str, Any]:
+        session_id = _str(body, "session")
+        event = body.get("event")
+        if not isinstance(event, dict):
+            raise InvalidEvent("plan_replace: `event` must be an event object")
+        session = await self.session(session_id, min_seq=None, timeout=self.log.settings.request_timeout_s)
+        try:
+            _, plan = session.plan(msgspec.json.encode(event))
+        except SessionLogError as err:
+            return {"accepted": False, "shadowed": [], "error": err.to_dict()}
+        return {"accepted": True, "shadowed": list(plan.shadowed) if plan is not None else []}
+
+    async def stats(self, body: dict[str, Any]) -> dict[str, Any]:
+        health = self.runner.health()
+        memory = sum(sum(len(e.raw) for e in s.session) for s in self.runner.states.values())
+        return {
+            "sessions": health["sessions"],
+            "memory_bytes": memory,
+            "lag_events": health["lag_events"],
+            "partitions": health["partitions"],
+            "quarantined": health["quarantined"],
+            "replica": health["replica"],
+        }
+
+
+def _with_messages(reply: dict[str, Any], messages: bytes) -> bytes:
+    head = msgspec.json.encode(reply)
+    return head[:-1] + b',"messages":' + messages + b"}"
+
+
+def _pages(items: list[bytes], limit: int) -> list[list[bytes]]:
+    pages: list[list[bytes]] = [[]]
+    size = 0
+    for item in items:
+        if pages[-1] and size + len(item) + 1 > limit:
+            pages.append([])
+            size = 0
+        pages[-1].append(item)
+        size += len(item) + 1
+    return pages
+
+
+def _str(body: dict[str, Any], key: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str):
+        raise InvalidEvent(f"request field `{key}` must be a string")
+    return value
+
+
+def _opt_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or value < 0:
+        raise InvalidEvent(f"request field `{key}` must be a non-negative integer, got {value!r}")
+    return value
+
+
+async def serve(log: SessionLog, **runner_options: Any) -> ContextDeriverService:
+    service = ContextDeriverService(log, **runner_options)
+    await service.start()
+    return service

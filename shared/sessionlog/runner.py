@@ -1,0 +1,544 @@
+"""The projection runner, written once and shared by every service.
+
+A projection here is per session: its state for a session is a pure function of that session's records, kept
+by a `SessionState` with `apply(record)`. The runner feeds it:
+
+- one durable pull consumer per owned partition (`sessionlog.events.<p>.>`), records decoded and applied in
+  order, acknowledged after they are applied (ack-all on the last record of a fetch);
+- idempotent: each session state remembers the stream seq of the last record it applied and skips anything at
+  or below it, so a redelivery or an overlap with an on-demand load is never applied twice;
+- sessions are loaded on demand from the stream (direct gets) when a record or a query touches one that is not
+  in memory, and idle ones are evicted (bounded memory); a record that does not continue its session's state (a
+  start mid-stream with `--from-seq`, an eviction) triggers a reload of that session, never a guess;
+- checkpoints in KV (`sessionlog-checkpoints`, key `<projection>.p<N>`) hold the applied stream seq of the
+  partition. Because every session state can be rebuilt from the stream on demand, the checkpoint needs no
+  state blob to be worth something: a restart resumes after it and rebuilds each session when it is touched.
+  `rebuild=True` replays the partition from stream seq 1; `from_seq` starts anywhere;
+- a poison record (undecodable, or refused by the session library) is quarantined with its stream seq and
+  reason (KV `<projection>.quarantine.<seq>`, a metric, `runner.quarantined`); its session is marked poisoned,
+  and every other session goes on;
+- ownership: a fixed set of partitions (`SESSIONLOG_PARTITIONS=0-7`), or claimed through the lease bucket
+  (`partition.<projection>.<N>`) so replicas split the partitions and a survivor takes over a dead replica's
+  partitions once their leases expire. Replicas find each other with a presence request on
+  `sessionlog.replicas.<projection>`; each takes a fair share, preferring partitions by rendezvous hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Final, Generic, TypeVar
+
+import nats.errors
+from nats.js import api
+from nats.js.errors import KeyNotFoundError, NotFoundError
+
+from .errors import CorruptLog, SessionLogError
+from .leases import Lease, LeaseHeld, LeaseLost, Leases
+from .log import SessionLog
+from .metrics import APPLIED, LAG_EVENTS, LAG_SECONDS, QUARANTINED
+from .provision import partition_of
+from .record import Record, decode_record, partition_filter, session_of_subject
+
+log = logging.getLogger("sessionlog.runner")
+
+FETCH_BATCH: Final = 256
+CHECKPOINT_EVERY_S: Final = 1.0
+
+
+class SessionState(ABC):
+    """A projection's state for one session; `apply` gets the session's records in order, once each."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self.last_stream_seq = 0  # stream seq of the last record applied
+        self.next_seq = 0  # the session seq the next record must start at
+
+    @abstractmethod
+    def apply(self, record: Record) -> None:
+        """Apply one record; raise a SessionLogError to have it quarantined."""
+
+
+S = TypeVar("S", bound=SessionState)
+
+
+class Projection(ABC, Generic[S]):
+    """What a service keeps: a state per session, plus hooks for the service."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def new_state(self, session_id: str) -> S: ...
+
+    def on_applied(self, state: S, record: Record) -> None:
+        """Called after a record was applied (live or while loading)."""
+
+    def on_forget(self, session_id: str) -> None:
+        """Called when a session's state is dropped (eviction, lost partition, poison)."""
+
+
+@dataclass(slots=True)
+class Quarantined:
+    stream_seq: int
+    session_id: str
+    reason: str
+
+
+@dataclass(slots=True)
+class _Partition:
+    number: int
+    applied: int = 0  # last stream seq applied and acknowledged
+    checkpointed: int = 0
+    task: asyncio.Task[None] | None = None
+    lease: Lease | None = None
+    last_time: float = 0.0  # stream time of the last applied record (epoch s)
+    pending: int = 0
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ProjectionRunner(Generic[S]):
+    """Feeds one projection from the stream; see the module docstring for the guarantees."""
+
+    def __init__(
+        self,
+        log_: SessionLog,
+        projection: Projection[S],
+        *,
+        partitions: list[int] | None = None,
+        claim: bool | None = None,
+        from_seq: int | None = None,
+        rebuild: bool = False,
+        max_sessions: int = 10_000,
+        idle_evict_s: float | None = None,
+        replica_id: str | None = None,
+    ) -> None:
+        self.log = log_
+        self.settings = log_.settings
+        self.projection = projection
+        self.name = projection.name
+        self.partition_count = self.settings.partition_count
+        fixed = (
+            partitions
+            if partitions is not None
+            else (self.settings.owned_partitions() if self.settings.partitions is not None else None)
+        )
+        self.claim = claim if claim is not None else fixed is None
+        self._fixed = fixed if fixed is not None else list(range(self.partition_count))
+        self.from_seq = from_seq
+        self.rebuild = rebuild
+        self.max_sessions = max_sessions
+        self.idle_evict_s = idle_evict_s
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self.states: OrderedDict[str, S] = OrderedDict()
+        self.poisoned: dict[str, Quarantined] = {}
+        self.quarantined: list[Quarantined] = []
+        self._partitions: dict[int, _Partition] = {}
+        self._loading: dict[str, asyncio.Task[S | None]] = {}
+        self._waiters: dict[str, list[tuple[int, asyncio.Future[None]]]] = {}
+        self._last_access: dict[str, float] = {}
+        self._running = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._presence: Any = None
+        self._leases = Leases(log_.js, self.settings.kv_leases, timeout=self.settings.request_timeout_s)
+        self._kv: Any = None
+        self.started = asyncio.Event()
+
+    # ---------------------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self._running = True
+        self._kv = await self.log.js.key_value(self.settings.kv_checkpoints)
+        if self.claim:
+            self._presence = await self.log.nc.subscribe(f"sessionlog.replicas.{self.name}", cb=self._answer_presence)
+            self._tasks.append(asyncio.create_task(self._claim_loop(), name=f"{self.name}-claims"))
+        else:
+            for number in self._fixed:
+                await self._own(number)
+        if self.idle_evict_s is not None:
+            self._tasks.append(asyncio.create_task(self._evict_loop(), name=f"{self.name}-evict"))
+        self.started.set()
+
+    async def stop(self) -> None:
+        """Graceful: finish the record in hand, acknowledge, checkpoint, release claimed partitions."""
+        self._running = False
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        for number in list(self._partitions):
+            await self._disown(number, release=True)
+        if self._presence is not None:
+            with contextlib.suppress(Exception):
+                await self._presence.unsubscribe()
+
+    @property
+    def owned(self) -> list[int]:
+        return sorted(self._partitions)
+
+    def owns(self, session_id: str) -> bool:
+        return partition_of(session_id, self.partition_count) in self._partitions
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        """Until every owned partition has caught up with the stream as it was when it started."""
+        await asyncio.wait_for(self.started.wait(), timeout)
+        for part in list(self._partitions.values()):
+            await asyncio.wait_for(part.ready.wait(), timeout)
+
+    def health(self) -> dict[str, Any]:
+        lag = {p.number: p.pending for p in self._partitions.values()}
+        return {
+            "projection": self.name,
+            "replica": self.replica_id,
+            "ready": all(p.ready.is_set() for p in self._partitions.values()) and self.started.is_set(),
+            "live": self._running,
+            "partitions": self.owned,
+            "lag_events": lag,
+            "sessions": len(self.states),
+            "quarantined": len(self.quarantined),
+        }
+
+    # ---------------------------------------------------------------------------------- queries
+
+    async def state(self, session_id: str) -> S | None:
+        """The session's state, loaded from the stream when it is not in memory; None if it has no records."""
+        state = self.states.get(session_id)
+        if state is not None:
+            self._touch(session_id)
+            return state
+        if session_id in self.poisoned:
+            raise CorruptLog(f"session {session_id} is quarantined: {self.poisoned[session_id].reason}")
+        return await self._load(session_id)
+
+    async def wait_for(self, session_id: str, seq: int, timeout: float) -> S:
+        """The session's state once it has applied session seq `seq` (bounded by `timeout`)."""
+        deadline = time.monotonic() + timeout
+        state = await self.state(session_id)
+        while state is None or state.next_seq <= seq:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                have = -1 if state is None else state.next_seq - 1
+                raise TimeoutError(f"session {session_id}: seq {seq} not applied within {timeout}s (have {have})")
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.setdefault(session_id, []).append((seq, future))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(future, min(remaining, 0.25))
+            if not self.owns(session_id):
+                # Not fed by a consumer here: look at the stream again.
+                self._forget(session_id)
+            state = await self.state(session_id)
+        return state
+
+    # ---------------------------------------------------------------------------------- applying
+
+    def _touch(self, session_id: str) -> None:
+        self.states.move_to_end(session_id)
+        self._last_access[session_id] = time.monotonic()
+
+    def _store(self, state: S) -> None:
+        self.states[state.session_id] = state
+        self._touch(state.session_id)
+        while len(self.states) > self.max_sessions:
+            oldest = next(iter(self.states))
+            self._forget(oldest)
+
+    def _forget(self, session_id: str) -> None:
+        if self.states.pop(session_id, None) is not None:
+            self._last_access.pop(session_id, None)
+            self.projection.on_forget(session_id)
+
+    async def _load(self, session_id: str) -> S | None:
+        task = self._loading.get(session_id)
+        if task is None:
+            task = asyncio.create_task(self._load_now(session_id))
+            self._loading[session_id] = task
+            task.add_done_callback(lambda _: self._loading.pop(session_id, None))
+        return await asyncio.shield(task)
+
+    async def _load_now(self, session_id: str) -> S | None:
+        records = await self.log.reader.records(session_id)
+        if not records:
+            return None
+        state = self.projection.new_state(session_id)
+        for record in records:
+            if not self._apply_to(state, record):
+                return None
+        existing = self.states.get(session_id)
+        if existing is not None and existing.last_stream_seq >= state.last_stream_seq:
+            return existing  # a consumer got further meanwhile
+        self._store(state)
+        self._resolve(state)
+        return state
+
+    def _apply_to(self, state: S, record: Record) -> bool:
+        """Apply one record to a state; quarantine and poison the session when it is refused."""
+        try:
+            state.apply(record)
+        except SessionLogError as err:
+            self._quarantine(record.stream_seq, state.session_id, f"{err.code}: {err.message}")
+            return False
+        state.last_stream_seq = record.stream_seq
+        state.next_seq = record.next_seq
+        APPLIED.labels(self.name).inc(record.count)
+        self.projection.on_applied(state, record)
+        return True
+
+    async def _apply_record(self, record: Record) -> None:
+        session_id = record.session_id
+        if session_id in self.poisoned:
+            self._quarantine(
+                record.stream_seq,
+                session_id,
+                f"session quarantined since stream seq {self.poisoned[session_id].stream_seq}",
+            )
+            return
+        state = self.states.get(session_id)
+        if state is None:
+            if record.first_seq == 0:
+                state = self.projection.new_state(session_id)
+                if self._apply_to(state, record):
+                    self._store(state)
+                    self._resolve(state)
+                return
+            await self._load(session_id)  # the stream holds this record too: loading covers it
+            return
+        if record.stream_seq <= state.last_stream_seq:
+            return  # already applied (a redelivery, or the load that got here first)
+        if record.first_seq != state.next_seq:
+            self._forget(session_id)  # the state does not continue into this record: rebuild it
+            await self._load(session_id)
+            return
+        if self._apply_to(state, record):
+            self._touch(session_id)
+            self._resolve(state)
+        else:
+            self._forget(session_id)
+
+    def _resolve(self, state: S) -> None:
+        waiters = self._waiters.get(state.session_id)
+        if not waiters:
+            return
+        keep = []
+        for seq, future in waiters:
+            if state.next_seq > seq:
+                if not future.done():
+                    future.set_result(None)
+            elif not future.done():
+                keep.append((seq, future))
+        if keep:
+            self._waiters[state.session_id] = keep
+        else:
+            self._waiters.pop(state.session_id, None)
+
+    def _quarantine(self, stream_seq: int, session_id: str, reason: str) -> None:
+        entry = Quarantined(stream_seq=stream_seq, session_id=session_id, reason=reason)
+        self.quarantined.append(entry)
+        self.poisoned.setdefault(session_id, entry)
+        self._forget(session_id)
+        QUARANTINED.labels(self.name).inc()
+        log.warning("%s: quarantined stream seq %d of session %s: %s", self.name, stream_seq, session_id, reason)
+        if self._kv is not None:
+            body = json.dumps({"stream_seq": stream_seq, "session": session_id, "reason": reason}).encode()
+            asyncio.get_running_loop().create_task(self._kv_put(f"{self.name}.quarantine.{stream_seq}", body))
+
+    async def _kv_put(self, key: str, value: bytes) -> None:
+        with contextlib.suppress(Exception):
+            await self._kv.put(key, value)
+
+    # ---------------------------------------------------------------------------------- partitions
+
+    async def _own(self, number: int, lease: Lease | None = None) -> None:
+        if number in self._partitions:
+            return
+        part = _Partition(number=number, lease=lease)
+        self._partitions[number] = part
+        part.task = asyncio.create_task(self._consume(part), name=f"{self.name}-p{number}")
+
+    async def _disown(self, number: int, *, release: bool) -> None:
+        part = self._partitions.pop(number, None)
+        if part is None:
+            return
+        if part.task is not None:
+            part.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await part.task
+        await self._checkpoint(part, force=True)
+        for session_id in [s for s in self.states if partition_of(s, self.partition_count) == number]:
+            self._forget(session_id)
+        if release and part.lease is not None:
+            with contextlib.suppress(Exception):
+                await self._leases.release(part.lease)
+
+    async def _start_seq(self, part: _Partition) -> int:
+        if self.rebuild:
+            return 1
+        if self.from_seq is not None:
+            return max(1, self.from_seq)
+        try:
+            entry = await self._kv.get(self._checkpoint_key(part.number))
+            seq = int(json.loads(entry.value or b"{}").get("stream_seq", 0))
+        except (KeyNotFoundError, NotFoundError, ValueError):
+            seq = 0
+        return seq + 1
+
+    def _checkpoint_key(self, number: int) -> str:
+        return f"{self.name}.p{number}"
+
+    async def _checkpoint(self, part: _Partition, *, force: bool = False) -> None:
+        if part.applied <= part.checkpointed and not force:
+            return
+        if part.applied == 0:
+            return
+        body = json.dumps({"stream_seq": part.applied, "replica": self.replica_id, "time": time.time()}).encode()
+        with contextlib.suppress(Exception):
+            await self._kv.put(self._checkpoint_key(part.number), body)
+            part.checkpointed = part.applied
+
+    async def _consume(self, part: _Partition) -> None:
+        start = await self._start_seq(part)
+        part.applied = start - 1
+        part.checkpointed = part.applied
+        durable = f"{self.name}-p{part.number}"
+        js = self.log.js
+        with contextlib.suppress(NotFoundError, nats.errors.Error):
+            await js.delete_consumer(self.settings.stream, durable)
+        config = api.ConsumerConfig(
+            durable_name=durable,
+            filter_subject=partition_filter(part.number),
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start,
+            ack_policy=api.AckPolicy.ALL,
+            max_ack_pending=FETCH_BATCH * 4,  # back-pressure: the server holds the rest
+            ack_wait=30,
+            inactive_threshold=300,
+        )
+        sub = await js.pull_subscribe(
+            partition_filter(part.number), durable=durable, stream=self.settings.stream, config=config
+        )
+        last_checkpoint = time.monotonic()
+        try:
+            while self._running:
+                try:
+                    msgs = await sub.fetch(FETCH_BATCH, timeout=0.25)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    await self._idle(part, sub)
+                    continue
+                for msg in msgs:
+                    meta = msg.metadata
+                    seq = meta.sequence.stream
+                    part.pending = meta.num_pending
+                    if seq > part.applied:
+                        try:
+                            record = decode_record(seq, msg.subject, msg.headers, msg.data)
+                        except SessionLogError as err:
+                            self._quarantine(seq, session_of_subject(msg.subject), f"{err.code}: {err.message}")
+                        else:
+                            await self._apply_record(record)
+                        part.applied = seq
+                        part.last_time = meta.timestamp.timestamp() if meta.timestamp else time.time()
+                await msgs[-1].ack()
+                self._update_lag(part)
+                if part.pending == 0:
+                    part.ready.set()
+                if time.monotonic() - last_checkpoint >= CHECKPOINT_EVERY_S:
+                    await self._checkpoint(part)
+                    last_checkpoint = time.monotonic()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _idle(self, part: _Partition, sub: Any) -> None:
+        """Nothing to fetch: the partition is caught up."""
+        part.pending = 0
+        part.ready.set()
+        self._update_lag(part)
+        await self._checkpoint(part)
+
+    def _update_lag(self, part: _Partition) -> None:
+        LAG_EVENTS.labels(self.name, str(part.number)).set(part.pending)
+        lag_s = 0.0 if part.pending == 0 or not part.last_time else max(0.0, time.time() - part.last_time)
+        LAG_SECONDS.labels(self.name, str(part.number)).set(lag_s)
+
+    # ---------------------------------------------------------------------------------- claims
+
+    async def _answer_presence(self, msg: Any) -> None:
+        if msg.reply:
+            await self.log.nc.publish(msg.reply, self.replica_id.encode())
+
+    async def live_replicas(self, wait_s: float = 0.1) -> list[str]:
+        inbox = self.log.nc.new_inbox()
+        sub = await self.log.nc.subscribe(inbox)
+        found: set[str] = {self.replica_id}
+        try:
+            await self.log.nc.publish(f"sessionlog.replicas.{self.name}", b"", reply=inbox)
+            deadline = time.monotonic() + wait_s
+            while (remaining := deadline - time.monotonic()) > 0:
+                try:
+                    reply = await sub.next_msg(timeout=remaining)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    break
+                found.add(reply.data.decode())
+        finally:
+            await sub.unsubscribe()
+        return sorted(found)
+
+    def _preference(self, number: int) -> str:
+        return hashlib.sha256(f"{self.replica_id}:{number}".encode()).hexdigest()
+
+    async def _claim_loop(self) -> None:
+        ttl = self.settings.lease_ttl_s
+        period = max(0.2, self.settings.effective_lease_refresh_s)
+        while self._running:
+            try:
+                await self._claim_round(ttl)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # the next round tries again
+                log.warning("%s: partition claim round failed: %s", self.name, err)
+            await asyncio.sleep(period)
+
+    async def _claim_round(self, ttl: float) -> None:
+        replicas = await self.live_replicas()
+        share = math.ceil(len(self._fixed) / max(1, len(replicas)))
+        for number, part in list(self._partitions.items()):  # keep what we hold
+            if part.lease is None:
+                continue
+            try:
+                part.lease = await self._leases.refresh(part.lease)
+            except LeaseLost:
+                log.warning("%s: lost partition %d", self.name, number)
+                await self._disown(number, release=False)
+        while len(self._partitions) > share:  # hand extras to newcomers
+            extra = max(self._partitions, key=self._preference)
+            await self._disown(extra, release=True)
+        for number in sorted(self._fixed, key=self._preference):
+            if len(self._partitions) >= share:
+                break
+            if number in self._partitions:
+                continue
+            try:
+                lease = await self._leases.acquire(f"partition.{self.name}.{number}", self.replica_id, ttl)
+            except LeaseHeld:
+                continue
+            await self._own(number, lease)
+
+    # ---------------------------------------------------------------------------------- eviction
+
+    async def _evict_loop(self) -> None:
+        assert self.idle_evict_s is not None
+        while self._running:
+            await asyncio.sleep(max(0.05, self.idle_evict_s / 4))
+            cutoff = time.monotonic() - self.idle_evict_s
+            for session_id in [s for s, t in self._last_access.items() if t < cutoff]:
+                if session_id not in self._waiters:
+                    self._forget(session_id)

@@ -415,8 +415,8 @@ def decode_event(raw: bytes, position: int) -> Event:
     """
     try:
         typed: Any = _core_decoder.decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return _decode_slow(raw, position)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return _decode_slow(raw, position, exc)
     kind = _TAG_OF[type(typed)]
     data = typed.data
     has_seq = typed.seq is not UNSET
@@ -438,7 +438,7 @@ def decode_event(raw: bytes, position: int) -> Event:
     )
 
 
-def _decode_slow(raw: bytes, position: int) -> Event:
+def _decode_slow(raw: bytes, position: int, fast_error: Exception) -> Event:
     """Plugin and ignorable types, and every refusal: decode the envelope alone, then the data by type, so the
     error names the type and the field."""
     try:
@@ -459,7 +459,8 @@ def _decode_slow(raw: bytes, position: int) -> Event:
             data = decoder.decode(env.data)
         except msgspec.ValidationError as exc:
             raise InvalidEvent(f"{kind}: {_PATH_RE.sub('`$.data', str(exc))}", seq=seq) from None
-        raise AssertionError(f"{kind} decoded alone but not in its envelope")  # pragma: no cover
+        # Envelope and data each decode alone but not together: a key given twice, read differently by the two.
+        raise InvalidEvent(f"{kind}: the event does not decode as one envelope ({fast_error})", seq=seq)
     if is_known_type(kind):
         if env.data is UNSET or not bytes(env.data).lstrip().startswith(b"{"):
             raise InvalidEvent(f"{kind}: `data` must be an object", seq=seq)

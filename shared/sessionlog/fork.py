@@ -40,7 +40,9 @@ class ForkPlan(msgspec.Struct, frozen=True):
 def check_boundary(session: Session, boundary: object) -> int | None:
     """The inclusive boundary seq a fork copies up to; None only for an empty source with no boundary."""
     if boundary is None:
-        return len(session) - 1 if len(session) else None
+        if not len(session):
+            return None
+        boundary = len(session) - 1
     if type(boundary) is not int or boundary < 0:
         raise InvalidBoundary(f"fork boundary must be a non-negative integer, got {boundary!r}")
     if boundary >= len(session):

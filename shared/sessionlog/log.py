@@ -301,7 +301,7 @@ class SessionLog:
                     "import or fork"
                 )
             start, last_stream_seq = len(existing), orphan.stream_seq
-        publisher = _Publisher(self, session_id, epoch=0)
+        publisher = RecordPublisher(self, session_id, epoch=0)
         batch: list[bytes] = []
         size = 2
         first = start
@@ -399,7 +399,7 @@ class _LeaseKeeper:
             await self._leases.release(self.lease)
 
 
-class _Publisher:
+class RecordPublisher:
     """Publishes records of one session with optimistic concurrency and safe retries."""
 
     def __init__(self, log: SessionLog, session_id: str, *, epoch: int) -> None:
@@ -500,7 +500,7 @@ class SessionWriter:
         self.session_id = session_id
         self._session = session
         self._lease = lease
-        self._publisher = _Publisher(log, session_id, epoch=lease.epoch)
+        self._publisher = RecordPublisher(log, session_id, epoch=lease.epoch)
         self._last_stream_seq = last_stream_seq
         self._durable = len(session)  # number of events acknowledged
         self._pending: list[bytes] = []
@@ -717,3 +717,5 @@ def events_of(records: Iterable[Record]) -> list[bytes]:
 
 
 __all__ = ["LogFull", "SessionHeader", "SessionInfo", "SessionLog", "SessionWriter"]
+
+_Publisher = RecordPublisher  # the name the first tests used

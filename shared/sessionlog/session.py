@@ -153,16 +153,27 @@ class FoldedHeader(msgspec.Struct, frozen=True):
         return out
 
 
-def _call_ids(event: Event) -> tuple[str, ...]:
-    """Ids of the tool-call blocks an assistant/message announces."""
+# A tool call and its result pair within one step (SPEC 6), so a pair is keyed by (turn, step, callId): providers
+# that number calls per response reuse ids across turns.
+PairKey = tuple[int, int, str]
+
+
+def _call_ids(event: Event) -> tuple[PairKey, ...]:
+    """Pair keys of the tool-call blocks an assistant/message announces."""
     if event.type != "assistant/message":
         return ()
-    return tuple(b.id for b in event.data.message.content if isinstance(b, ToolCallBlock))
+    data = event.data
+    return tuple((data.turn, data.step, b.id) for b in data.message.content if isinstance(b, ToolCallBlock))
 
 
-def _result_id(event: Event) -> str | None:
+def _result_key(event: Event) -> PairKey | None:
     if event.type != "tool/result":
         return None
+    data = event.data
+    return (data.turn, data.step, _result_call_id(event))
+
+
+def _result_call_id(event: Event) -> str:
     block = event.data.message.content[0]
     assert isinstance(block, ToolResultBlock)
     return block.tool_call_id
@@ -231,8 +242,8 @@ class Session:
         self.open_step: _Step | None = None
         self.last_step = 0
         self._messages: dict[int, DerivedMessage | None] = {}
-        self._call_node: dict[str, int] = {}  # callId -> seq of the assistant/message announcing it
-        self._result_node: dict[str, int] = {}  # callId -> seq of the latest tool/result carrying it
+        self._call_node: dict[PairKey, int] = {}  # pair -> seq of the assistant/message announcing it
+        self._result_node: dict[PairKey, int] = {}  # pair -> seq of the latest tool/result carrying it
         self._header_seq: int | None = None
         self._derived: list[DerivedMessage] = []
         self._derived_nodes = 0
@@ -362,12 +373,25 @@ class Session:
         seq = event.seq
         if seq != len(self._events):
             raise SeqNotContiguous(f"{event.type}: seq {seq} is not the log length {len(self._events)}", seq=seq)
+        if self._events and event.has_seq is not self._events[-1].has_seq:
+            style = (
+                "has no seq, but this log's events carry seqs"
+                if not event.has_seq
+                else "carries a seq, but this log's events are positional (they have none)"
+            )
+            raise SeqNotContiguous(f"{event.type}: {style}", seq=seq)
+        if event.type == "assistant/chunk":  # the hot path: most events of a log are chunks
+            step = self.open_step
+            if event.surface_op is not UNSET or event.source_event_seqs is not UNSET:
+                self._check_markers(event)
+            elif step is None or event.data.step != step.number or event.data.turn != self.open_turn:
+                self._expect_step(event)
+            return None
         if event.type in SURFACE_TYPES:
             if event.surface_op is UNSET:
                 raise SurfaceMarkerRequired(f"{event.type} must carry a surfaceOp", seq=seq)
         elif event.surface_op is not UNSET or event.source_event_seqs is not UNSET:
-            which = "surfaceOp" if event.surface_op is not UNSET else "sourceEventSeqs"
-            raise SurfaceMarkerForbidden(f"{event.type} is not a surface type and may not carry {which}", seq=seq)
+            self._check_markers(event)
         else:
             self._check_structure(event, replace=False)
             return None
@@ -426,23 +450,23 @@ class Session:
                 if result is not None and on_surface(result) and result not in shadowed:
                     raise ReplaceSplitsToolPair(
                         f"surface replace {plan.shadowed[0]}..{plan.shadowed[-1]} shadows the tool call "
-                        f"{call_id!r} (seq {node}) but not its result (seq {result})",
+                        f"{call_id[2]!r} (seq {node}) but not its result (seq {result})",
                         seq=event.seq,
                     )
-            result_id = _result_id(node_event)
+            result_id = _result_key(node_event)
             if result_id is not None:
                 call = self._call_node.get(result_id)
                 if call is not None and on_surface(call) and call not in shadowed:
                     raise ReplaceSplitsToolPair(
                         f"surface replace {plan.shadowed[0]}..{plan.shadowed[-1]} shadows the result of tool "
-                        f"call {result_id!r} (seq {node}) but not the call (seq {call})",
+                        f"call {result_id[2]!r} (seq {node}) but not the call (seq {call})",
                         seq=event.seq,
                     )
         for call_id in _call_ids(event):
             result = self._result_node.get(call_id)
             if result is not None and result in shadowed:
                 raise ReplaceSplitsToolPair(
-                    f"surface replace announces tool call {call_id!r} but shadows its result (seq {result})",
+                    f"surface replace announces tool call {call_id[2]!r} but shadows its result (seq {result})",
                     seq=event.seq,
                 )
 
@@ -498,8 +522,7 @@ class Session:
         data: ToolResultData = event.data
         step = self.open_step
         assert step is not None
-        call_id = _result_id(event)
-        assert call_id is not None
+        call_id = _result_call_id(event)
         if call_id in step.results:
             raise StructureInvalid(
                 f"tool/result for call {call_id!r} is already recorded in step {step.number}", seq=event.seq
@@ -546,14 +569,14 @@ class Session:
                 self.surface.replace(plan)
             for call_id in _call_ids(event):
                 self._call_node[call_id] = seq
-            result_id = _result_id(event)
-            if result_id is not None:
-                self._result_node[result_id] = seq
+            result_key = _result_key(event)
+            if result_key is not None:
+                self._result_node[result_key] = seq
             self._derived_view = None
             if plan is None and kind == "assistant/message" and self.open_step is not None:
                 self.open_step.announced.extend(b for b in event.data.message.content if isinstance(b, ToolCallBlock))
-            if plan is None and result_id is not None and self.open_step is not None:
-                self.open_step.results.add(result_id)
+            if plan is None and result_key is not None and self.open_step is not None:
+                self.open_step.results.add(result_key[2])
         elif kind == "assistant/chunk":
             return
         elif kind == "turn/start":

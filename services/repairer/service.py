@@ -1,0 +1,162 @@
+"""The repairer projection, its watch loop and its micro endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, ClassVar, Final
+
+import msgspec
+from nats.micro import add_service
+from nats.micro.service import EndpointConfig, Service
+
+from sessionlog.errors import Conflict, InvalidEvent, SessionNotFound
+from sessionlog.ids import check_session_id
+from sessionlog.leases import LeaseHeld, LeaseLost, Leases
+from sessionlog.log import RecordPublisher, SessionLog
+from sessionlog.micro import spawning
+from sessionlog.record import Record
+from sessionlog.repair import interrupted_turn_closers
+from sessionlog.runner import Projection, ProjectionRunner, SessionState
+from sessionlog.session import Session
+
+SERVICE: Final = "sessionlog-repair"
+REPAIRER_EPOCH: Final = 0  # every repairer publishes the same closers under the same message id
+
+log = logging.getLogger("sessionlog.repairer")
+
+
+class RepairState(SessionState):
+    def __init__(self, session_id: str) -> None:
+        super().__init__(session_id)
+        self.session = Session()
+
+    def apply(self, record: Record) -> None:
+        for raw in record.events:
+            self.session.append(raw)
+
+
+class Repairer(Projection[RepairState]):
+    name: ClassVar[str] = "repairer"
+
+    def __init__(self) -> None:
+        self.open_turns: dict[str, int] = {}  # session -> open turn
+
+    def new_state(self, session_id: str) -> RepairState:
+        return RepairState(session_id)
+
+    def on_applied(self, state: RepairState, record: Record) -> None:
+        if state.session.open_turn is None:
+            self.open_turns.pop(state.session_id, None)
+        else:
+            self.open_turns[state.session_id] = state.session.open_turn
+
+
+class RepairerService:
+    def __init__(self, log_: SessionLog, **runner_options: Any) -> None:
+        self.log = log_
+        self.settings = log_.settings
+        self.projection = Repairer()
+        self.runner: ProjectionRunner[RepairState] = ProjectionRunner(log_, self.projection, **runner_options)
+        self.leases = Leases(log_.js, self.settings.kv_leases, timeout=self.settings.request_timeout_s)
+        self.repaired: list[tuple[str, int]] = []  # (session, closers) this replica landed
+        self._free_since: dict[str, float] = {}
+        self._service: Service | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.runner.start()
+        for info in await self.log.sessions():
+            if info.open_turn:
+                self.projection.open_turns.setdefault(info.id, info.open_turn)
+        self._service = await add_service(
+            self.log.nc, name=SERVICE, version="0.1.0", description="closes turns whose writer died"
+        )
+        group = self._service.add_group(name="sessionlog.repair")
+        await group.add_endpoint(
+            EndpointConfig(name="close", handler=spawning(SERVICE, "close", self._close, self._tasks))
+        )
+        self._watch = asyncio.create_task(self._watch_loop(), name="repairer-watch")
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watch
+        if self._service is not None:
+            await self._service.stop()
+        await self.runner.stop()
+
+    async def _close(self, body: dict[str, Any]) -> dict[str, Any]:
+        session_id = body.get("session")
+        if not isinstance(session_id, str):
+            raise InvalidEvent("repair.close: `session` must be a string")
+        closers = await self.close(session_id)
+        return {"session": session_id, "closers": [msgspec.json.decode(c) for c in closers]}
+
+    async def close(self, session_id: str) -> tuple[bytes, ...]:
+        """Close the session's open turn now; refused (`LEASE_HELD`) while a live writer holds it."""
+        check_session_id(session_id)
+        if await self.log.header(session_id) is None:
+            raise SessionNotFound(f"session {session_id} not found")
+        lease = await self.leases.acquire(session_id, f"repairer:{self.runner.replica_id}", self.settings.lease_ttl_s)
+        try:
+            for _ in range(3):
+                records = await self.log.reader.records(session_id)
+                session = Session([e for r in records for e in r.events])
+                closers = interrupted_turn_closers(session)
+                if not closers:
+                    self.projection.open_turns.pop(session_id, None)
+                    return ()
+                session.copy().extend(closers)  # our own closers pass the same gate as any event
+                publisher = RecordPublisher(self.log, session_id, epoch=REPAIRER_EPOCH)
+                last = records[-1].stream_seq if records else 0
+                try:
+                    await publisher.publish(list(closers), len(session), last, 0)
+                except Conflict:
+                    continue  # someone appended meanwhile: look again
+                self.repaired.append((session_id, len(closers)))
+                self.projection.open_turns.pop(session_id, None)
+                log.info("repaired session %s: %d closers", session_id, len(closers))
+                return closers
+            raise Conflict(f"session {session_id}: the log kept changing while closing its turn")
+        finally:
+            with contextlib.suppress(LeaseLost, Exception):
+                await self.leases.release(lease)
+
+    async def _watch_loop(self) -> None:
+        grace = self.settings.repair_grace_s
+        period = max(0.1, min(grace, self.settings.lease_ttl_s) / 2)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for session_id in list(self.projection.open_turns):
+                if not self.runner.owns(session_id):
+                    continue
+                try:
+                    held = await self.leases.current(session_id)
+                except Exception as err:  # the next round looks again
+                    log.warning("lease lookup for %s failed: %s", session_id, err)
+                    continue
+                if held is not None:
+                    self._free_since.pop(session_id, None)
+                    continue
+                since = self._free_since.setdefault(session_id, now)
+                if now - since < grace:
+                    continue
+                self._free_since.pop(session_id, None)
+                try:
+                    await self.close(session_id)
+                except LeaseHeld:
+                    continue  # a writer (or another repairer) took it meanwhile
+                except Exception as err:
+                    log.warning("repair of %s failed: %s", session_id, err)
+
+
+async def serve(log_: SessionLog, **runner_options: Any) -> RepairerService:
+    service = RepairerService(log_, **runner_options)
+    await service.start()
+    return service

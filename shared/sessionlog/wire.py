@@ -1,0 +1,419 @@
+"""The gateway wire conversion and the invariant's comparison: derived messages and the folded header to an
+OpenAI-compatible chat-completions request, and a request checked against them. Pure: no I/O.
+
+This is the one documented conversion (ARCHITECTURE.md, "Gateway wire conversion") that the gateway and clients
+share; a client that builds its request with `to_wire` passes the gateway's check by construction.
+
+Messages, in order:
+
+- `header.system` (when not empty) becomes the first message `{"role": "system", "content": system}`.
+- An assistant message becomes `{"role": "assistant", "content": text}`: its text blocks concatenated with no
+  separator, the empty string (never null: DeepSeek rejects null) when there are none; its `tool-call` blocks
+  become `tool_calls: [{"id", "type": "function", "function": {"name", "arguments"}}]` and its reasoning blocks,
+  concatenated, `reasoning_content`. Either key is present only when the message has such blocks.
+- A message holding `tool-result` blocks (a `tool/result` event's message) becomes one
+  `{"role": "tool", "tool_call_id", "content": text}` per block, `content` being the result's text blocks
+  concatenated; text blocks beside them (none in a valid tool/result) follow as one user message.
+- Any other message (`user`, and `system` or `developer` when a plugin writes one) becomes
+  `{"role": role, "content": text}`, its text blocks concatenated with no separator (as DeepSeek's client does).
+- Image blocks carry only an attachment id; until the blob store supplies the bytes they are refused with
+  `UNSUPPORTED_CONTENT`, as is any block with no place on the wire (reasoning or a tool call outside an assistant
+  message, a tool result inside one) and any other role: nothing model-visible is dropped silently.
+
+The rest of the request comes from the folded header:
+
+- `model` is `config.model`; `config.provider` chooses the gateway's route and is not sent.
+- Every other config key is sent under its snake_case name: `temperature`, `max_tokens` (`maxTokens`), `top_p`
+  (`topP`), `stop`, `reasoning_effort` (`reasoningEffort`), and any other sampling field the header holds. A null
+  value counts as absent (a JavaScript `undefined` that reached the log). `adapterDefaults` only says which values
+  the adapter filled in; the values themselves are in `config`.
+- `header.tools` (when not empty) become `[{"type": "function", "function": {"name", "description",
+  "parameters"}}]`, `description` and `parameters` only when the tool has them.
+
+The comparison is on canonical JSON (sorted keys, compact separators, UTF-8). The `messages` array, system message
+included, is compared as a whole: any difference there is `DERIVATION_DIVERGES`. Every other request field must
+equal what the header gives, so a `tool_choice`, `seed` or `response_format` that the log does not hold is
+`HEADER_DIVERGES`; only the transport fields (`stream`, `stream_options`) are left out of the comparison. Numbers
+compare as JSON does after canonicalisation: `1` and `1.0` differ, as they do on the wire.
+
+Speed: the expected `messages` bytes are joined from per-message canonical fragments that a `WireCache` keeps
+(keyed by the logged message bytes, so a message is converted and encoded once), and compared with one canonical
+encoding of the request's `messages`. Only when the bytes differ are both sides walked to name the JSON path of the
+first difference (`$.messages[3].content`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from .errors import DerivationDiverges, HeaderDiverges, SessionLogError, UnsupportedContent
+from .events import ImageBlock, ReasoningBlock, TextBlock, ToolCallBlock, ToolResultBlock
+from .session import DerivedMessage, FoldedHeader
+
+TRANSPORT_FIELDS: Final = frozenset({"stream", "stream_options"})
+PHRASE: Final = "diverges from the dispatch-time durable derivation"
+
+_encoder: Final = msgspec.json.Encoder(order="sorted")
+_CAMEL_RE: Final = re.compile(r"(?<=[a-z0-9])([A-Z])")
+_PLAIN_ROLES: Final = frozenset({"user", "system", "developer"})
+
+
+class InvalidRequest(SessionLogError):
+    """A request body that is not a chat-completions request at all (not a JSON object, or not JSON)."""
+
+    code = "INVALID_REQUEST"
+
+
+def canonical(value: Any) -> bytes:
+    """Canonical JSON of plain data: sorted keys, compact separators, UTF-8."""
+    return _encoder.encode(value)
+
+
+def snake_case(name: str) -> str:
+    """`maxTokens` -> `max_tokens`; names already in snake_case stay as they are."""
+    return _CAMEL_RE.sub(r"_\1", name).lower()
+
+
+# ---------------------------------------------------------------------------------------------- conversion
+
+
+def _text_of(blocks: Sequence[Any], seq: int, where: str) -> str:
+    parts: list[str] = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            parts.append(block.text)
+        elif isinstance(block, ImageBlock):
+            raise UnsupportedContent(
+                f"{where}: an image block (attachment {msgspec.json.encode(block.attachment).decode()}) cannot be "
+                "sent until the blob store supplies its bytes; it is refused rather than dropped",
+                seq=seq,
+            )
+        else:
+            raise UnsupportedContent(f"{where}: a {type(block).__name__} has no place on the wire here", seq=seq)
+    return "".join(parts)
+
+
+def wire_messages(message: DerivedMessage) -> list[dict[str, Any]]:
+    """The wire messages one derived message becomes (usually one; a message of tool results gives one each)."""
+    msg = message.message
+    seq = message.seq
+    if msg.role == "assistant":
+        text: list[str] = []
+        reasoning: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for block in msg.content:
+            if isinstance(block, TextBlock):
+                text.append(block.text)
+            elif isinstance(block, ReasoningBlock):
+                reasoning.append(block.text)
+            elif isinstance(block, ToolCallBlock):
+                calls.append(
+                    {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.arguments}}
+                )
+            else:
+                _text_of((block,), seq, f"assistant message {msg.id!r}")
+        out: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+        if calls:
+            out["tool_calls"] = calls
+        if reasoning:
+            out["reasoning_content"] = "".join(reasoning)
+        return [out]
+    results = [b for b in msg.content if isinstance(b, ToolResultBlock)]
+    if results:
+        wire = [
+            {
+                "role": "tool",
+                "tool_call_id": r.tool_call_id,
+                "content": _text_of(r.content, seq, f"tool result {r.tool_call_id!r}"),
+            }
+            for r in results
+        ]
+        rest = [b for b in msg.content if not isinstance(b, ToolResultBlock)]
+        if rest:
+            wire.append({"role": "user", "content": _text_of(rest, seq, f"message {msg.id!r}")})
+        return wire
+    if msg.role not in _PLAIN_ROLES:
+        raise UnsupportedContent(f"message {msg.id!r}: role {msg.role!r} has no wire form", seq=seq)
+    return [{"role": msg.role, "content": _text_of(msg.content, seq, f"{msg.role} message {msg.id!r}")}]
+
+
+def header_fields(header: FoldedHeader) -> tuple[str | None, dict[str, Any]]:
+    """The system prompt (None when absent) and every request field other than `messages` the header gives."""
+    data = header.to_builtins()
+    config: dict[str, Any] = data.get("config", {})
+    out: dict[str, Any] = {"model": config.get("model")}
+    tools = data.get("tools")
+    if tools:
+        wire_tools = []
+        for tool in tools:
+            function = {"name": tool["name"]}
+            for key in ("description", "parameters"):
+                if tool.get(key) is not None:
+                    function[key] = tool[key]
+            wire_tools.append({"type": "function", "function": function})
+        out["tools"] = wire_tools
+    for key, value in config.items():
+        if key in ("provider", "model") or value is None:
+            continue
+        out[snake_case(key)] = value
+    system = data.get("system")
+    return (system if isinstance(system, str) and system else None), out
+
+
+def system_message(system: str) -> dict[str, Any]:
+    return {"role": "system", "content": system}
+
+
+def to_wire(messages: Sequence[DerivedMessage], header: FoldedHeader) -> dict[str, Any]:
+    """The OpenAI-compatible request (plain data, no transport fields) for these derived messages and header."""
+    system, fields = header_fields(header)
+    wire: list[dict[str, Any]] = [system_message(system)] if system is not None else []
+    for message in messages:
+        wire.extend(wire_messages(message))
+    return {"model": fields.pop("model"), "messages": wire, **fields}
+
+
+# ---------------------------------------------------------------------------------------------- cache
+
+
+class WireCache:
+    """Canonical wire bytes per derived message and per header, so a request costs one encoding, not two.
+
+    Keyed by the logged bytes (a message's wire form is a pure function of them), so it is correct across
+    generations and sources; it forgets messages that left the surface when it grows past twice the surface.
+    """
+
+    __slots__ = ("_fragments", "_header")
+
+    def __init__(self) -> None:
+        self._fragments: dict[bytes, bytes] = {}
+        self._header: tuple[bytes, bytes | None, bytes, dict[str, Any]] | None = None
+
+    def __len__(self) -> int:
+        return len(self._fragments)
+
+    def fragment(self, message: DerivedMessage) -> bytes:
+        """The message's wire messages as canonical JSON, comma-joined (an array's inside)."""
+        key = message.raw
+        frag = self._fragments.get(key)
+        if frag is None:
+            frag = b",".join(_encoder.encode(m) for m in wire_messages(message))
+            self._fragments[key] = frag
+        return frag
+
+    def _header_entry(self, header: FoldedHeader) -> tuple[bytes, bytes | None, bytes, dict[str, Any]]:
+        entry = self._header
+        if entry is None or entry[0] != header.raw:
+            system, fields = header_fields(header)
+            sys_frag = _encoder.encode(system_message(system)) if system is not None else None
+            entry = (header.raw, sys_frag, _encoder.encode(fields), fields)
+            self._header = entry
+        return entry
+
+    def expected_messages(self, messages: Sequence[DerivedMessage], header: FoldedHeader) -> bytes:
+        """Canonical JSON of the request's `messages` array as the derivation gives it."""
+        _, sys_frag, _, _ = self._header_entry(header)
+        frags = [self.fragment(m) for m in messages]
+        if sys_frag is not None:
+            frags.insert(0, sys_frag)
+        if len(self._fragments) > 2 * len(messages) + 64:
+            keep = {m.raw for m in messages}
+            self._fragments = {k: v for k, v in self._fragments.items() if k in keep}
+        return b"[" + b",".join(frags) + b"]"
+
+    def expected_fields(self, header: FoldedHeader) -> tuple[bytes, dict[str, Any]]:
+        """Canonical JSON of every non-message field the header gives, and those fields as plain data."""
+        _, _, fields_bytes, fields = self._header_entry(header)
+        return fields_bytes, fields
+
+
+# ---------------------------------------------------------------------------------------------- comparison
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """The first difference between a request and the derivation: its code, JSON path and a readable message."""
+
+    code: str
+    path: str
+    message: str
+    seq: int | None = None
+
+    def error(self) -> SessionLogError:
+        cls = DerivationDiverges if self.code == DerivationDiverges.code else HeaderDiverges
+        return cls(self.message, seq=self.seq)
+
+
+_MISSING: Final = object()
+
+
+def _show(value: Any, limit: int = 120) -> str:
+    if value is _MISSING:
+        return "nothing"
+    text = msgspec.json.encode(value, order="sorted").decode()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _same(a: Any, b: Any) -> bool:
+    # bool is an int and 1 == 1.0 in Python; JSON tells them apart
+    return type(a) is type(b) and a == b
+
+
+def first_difference(expected: Any, actual: Any, path: str = "$") -> tuple[str, Any, Any] | None:
+    """The JSON path of the first place `actual` differs from `expected`, with both values there; None if equal.
+
+    Objects are walked in sorted key order (as canonical JSON lists them), arrays by index.
+    """
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        for key in sorted(expected.keys() | actual.keys()):
+            sub = f"{path}.{key}" if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) else f"{path}[{_show(key)}]"
+            if key not in actual:
+                return sub, expected[key], _MISSING
+            if key not in expected:
+                return sub, _MISSING, actual[key]
+            found = first_difference(expected[key], actual[key], sub)
+            if found is not None:
+                return found
+        return None
+    if isinstance(expected, list) and isinstance(actual, list):
+        for i, (e, a) in enumerate(zip(expected, actual, strict=False)):
+            found = first_difference(e, a, f"{path}[{i}]")
+            if found is not None:
+                return found
+        if len(expected) != len(actual):
+            i = min(len(expected), len(actual))
+            return (
+                f"{path}[{i}]",
+                expected[i] if i < len(expected) else _MISSING,
+                actual[i] if i < len(actual) else _MISSING,
+            )
+        return None
+    if isinstance(expected, dict | list) or isinstance(actual, dict | list) or not _same(expected, actual):
+        return path, expected, actual
+    return None
+
+
+def _message_seq(messages: Sequence[DerivedMessage], header: FoldedHeader, index: int) -> int | None:
+    """The seq of the derived message that wire message `index` comes from (None for the system message)."""
+    system, _ = header_fields(header)
+    position = 1 if system is not None else 0
+    if index < position:
+        return header.seq
+    for message in messages:
+        position += len(wire_messages(message))
+        if index < position:
+            return message.seq
+    return None
+
+
+def parse_request(body: bytes | Mapping[str, Any]) -> dict[str, Any]:
+    """The request body as plain data; refused (`INVALID_REQUEST`) when it is not a JSON object."""
+    if isinstance(body, Mapping):
+        return dict(body)
+    try:
+        request = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the request body is not JSON: {exc}") from None
+    if not isinstance(request, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {type(request).__name__}")
+    return request
+
+
+def compare_request(
+    request: Mapping[str, Any],
+    messages: Sequence[DerivedMessage],
+    header: FoldedHeader,
+    *,
+    cache: WireCache | None = None,
+) -> Divergence | None:
+    """The first divergence of a parsed request from the derivation, or None when it matches exactly.
+
+    Raises `UNSUPPORTED_CONTENT` when the derivation holds content the conversion cannot carry.
+    """
+    cache = cache if cache is not None else WireCache()
+    expected_messages = cache.expected_messages(messages, header)
+    actual_messages = request.get("messages", _MISSING)
+    if actual_messages is _MISSING or not isinstance(actual_messages, list):
+        return Divergence(
+            DerivationDiverges.code,
+            "$.messages",
+            f"request {PHRASE} at $.messages: expected an array of {len(msgspec.json.decode(expected_messages))} "
+            f"messages, got {_show(actual_messages)}",
+        )
+    if _encoder.encode(actual_messages) != expected_messages:
+        expected_list = msgspec.json.decode(expected_messages)
+        found = first_difference(expected_list, actual_messages, "$.messages")
+        if found is None:  # pragma: no cover - equal plain data always encodes equally
+            found = ("$.messages", expected_list, actual_messages)
+        path, want, got = found
+        index_match = re.match(r"\$\.messages\[(\d+)\]", path)
+        seq = _message_seq(messages, header, int(index_match.group(1))) if index_match else None
+        count = ""
+        if len(expected_list) != len(actual_messages):
+            count = f" (the request has {len(actual_messages)} messages, the derivation {len(expected_list)})"
+        where = f" (the derived message at seq {seq})" if seq is not None else ""
+        return Divergence(
+            DerivationDiverges.code,
+            path,
+            f"request {PHRASE} at {path}{where}: expected {_show(want)}, got {_show(got)}{count}",
+            seq,
+        )
+    expected_bytes, expected_fields = cache.expected_fields(header)
+    rest = {k: v for k, v in request.items() if k != "messages" and k not in TRANSPORT_FIELDS}
+    if _encoder.encode(rest) != expected_bytes:
+        found = first_difference(expected_fields, rest)
+        if found is None:  # pragma: no cover
+            found = ("$", expected_fields, rest)
+        path, want, got = found
+        hint = ""
+        if want is _MISSING:
+            hint = " (the request/header holds no such field: model-visible input must be logged first)"
+        return Divergence(
+            HeaderDiverges.code,
+            path,
+            f"request {PHRASE} at {path} (the request/header at seq {header.seq}): expected {_show(want)}, "
+            f"got {_show(got)}{hint}",
+            header.seq,
+        )
+    return None
+
+
+def check_request(
+    request: bytes | Mapping[str, Any],
+    messages: Sequence[DerivedMessage],
+    header: FoldedHeader,
+    *,
+    cache: WireCache | None = None,
+) -> dict[str, Any]:
+    """Check a request against the derivation; return it parsed, or raise `DERIVATION_DIVERGES` /
+    `HEADER_DIVERGES` (naming the JSON path of the first difference), `UNSUPPORTED_CONTENT` or
+    `INVALID_REQUEST`."""
+    parsed = parse_request(request)
+    divergence = compare_request(parsed, messages, header, cache=cache)
+    if divergence is not None:
+        raise divergence.error()
+    return parsed
+
+
+__all__ = [
+    "PHRASE",
+    "TRANSPORT_FIELDS",
+    "Divergence",
+    "InvalidRequest",
+    "WireCache",
+    "canonical",
+    "check_request",
+    "compare_request",
+    "first_difference",
+    "header_fields",
+    "parse_request",
+    "snake_case",
+    "system_message",
+    "to_wire",
+    "wire_messages",
+]

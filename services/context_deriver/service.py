@@ -75,6 +75,9 @@ class ContextDeriverService:
         for name, handler in (("derive", self.derive), ("plan_replace", self.plan_replace), ("stats", self.stats)):
             await group.add_endpoint(EndpointConfig(name=name, handler=spawning(SERVICE, name, handler, self._tasks)))
 
+    def health(self) -> dict[str, Any]:
+        return self.runner.health()
+
     async def stop(self) -> None:
         if self._service is not None:
             await self._service.stop()

@@ -81,6 +81,9 @@ class RepairerService:
         )
         self._watch = asyncio.create_task(self._watch_loop(), name="repairer-watch")
 
+    def health(self) -> dict[str, Any]:
+        return self.runner.health()
+
     async def stop(self) -> None:
         if self._watch is not None:
             self._watch.cancel()

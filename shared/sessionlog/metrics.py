@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -14,6 +15,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from .errors import SessionLogError
 
 APPLIED: Final = Counter("sessionlog_projection_applied_events_total", "Events applied by a projection", ["projection"])
 QUARANTINED: Final = Counter(
@@ -34,6 +37,12 @@ REQUEST_SECONDS: Final = Histogram(
 )
 
 HealthCheck = Callable[[], dict[str, Any]]
+
+
+class PortInUse(SessionLogError):
+    """An HTTP port this process was told to serve on is taken."""
+
+    code = "PORT_IN_USE"
 
 
 class HealthServer:
@@ -75,15 +84,25 @@ class HealthServer:
         return Starlette(routes=[Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics)])
 
     async def start(self) -> None:
-        config = uvicorn.Config(self.app(), host=self.host, port=self.port, log_level="warning", lifespan="off")
+        # Bind here, so a port in use is one clear error instead of uvicorn's exit.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise PortInUse(
+                f"cannot serve health and metrics on {self.host}:{self.port}: {exc.strerror} "
+                "(set SESSIONLOG_METRICS_PORT to another port, or 0 for none)"
+            ) from None
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
-        self._task = asyncio.create_task(self._server.serve(), name="sessionlog-health")
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="sessionlog-health")
         while not self._server.started:
             if self._task.done():
                 self._task.result()
             await asyncio.sleep(0.01)
-        if self.port == 0:
-            self.port = self._server.servers[0].sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         if self._server is not None:

@@ -9,7 +9,7 @@ import typer
 from typer.exceptions import TyperException
 
 from ..errors import SessionLogError
-from . import files, logcmds
+from . import files, logcmds, servecmds
 
 app = typer.Typer(
     name="sessionlog",
@@ -21,6 +21,7 @@ app = typer.Typer(
 )
 files.register(app)
 logcmds.register(app)
+servecmds.register(app)
 
 
 def error_line(err: SessionLogError) -> str:

@@ -1,0 +1,61 @@
+"""`sessionlog serve NAME|all` and the commands that call services: `repair-session`."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Annotated
+
+import msgspec
+import typer
+
+from ..micro import call
+from ..services import SERVICES, RunOptions, available, run_until_signalled
+from ..settings import Settings
+from .logcmds import run_with_log
+
+
+def serve(
+    name: Annotated[str, typer.Argument(help=f"A service ({', '.join(SERVICES)}) or 'all'.", show_default=False)],
+    from_seq: Annotated[
+        int | None, typer.Option("--from-seq", help="Start projections at this stream sequence.")
+    ] = None,
+    rebuild: Annotated[bool, typer.Option("--rebuild", help="Rebuild projections from stream seq 1.")] = False,
+) -> None:
+    """Run one service (or all of them) until Ctrl-C."""
+    names = available() if name == "all" else [name]
+    if name != "all" and name not in SERVICES:
+        raise typer.BadParameter(f"unknown service {name!r}; choose one of {', '.join(SERVICES)} or 'all'")
+    if from_seq is not None and from_seq < 1:
+        raise typer.BadParameter("--from-seq must be a stream sequence of at least 1")
+    options = RunOptions(from_seq=from_seq, rebuild=rebuild)
+
+    def ready(stack: object) -> None:
+        typer.echo(f"serving {', '.join(names)} (Ctrl-C stops)", err=True)
+
+    asyncio.run(run_until_signalled(names, Settings(), options, ready))
+
+
+def repair_session(
+    session_id: Annotated[str, typer.Argument(help="The session whose open turn to close.", show_default=False)],
+) -> None:
+    """Ask the repairer to close a session's open turn now (refused while a live writer holds it)."""
+
+    async def work(log: object) -> object:
+        from ..log import SessionLog
+
+        assert isinstance(log, SessionLog)
+        return await call(
+            log.nc, "sessionlog.repair.close", {"session": session_id}, timeout=log.settings.request_timeout_s * 2
+        )
+
+    reply = run_with_log(work)
+    assert isinstance(reply, dict)
+    for closer in reply.get("closers", []):
+        sys.stdout.buffer.write(msgspec.json.encode(closer) + b"\n")
+    typer.echo(f"{session_id}: {len(reply.get('closers', []))} closers appended", err=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(serve)
+    app.command("repair-session")(repair_session)

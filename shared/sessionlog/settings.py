@@ -270,3 +270,7 @@ def settings_table_markdown() -> str:
         description = (field.description or "").replace("|", "\\|")
         lines.append(f"| `{ENV_PREFIX}{name.upper()}` | {_doc_default(name)} | {description} |")
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(settings_table_markdown())

@@ -67,6 +67,13 @@ class ContextDeriverService:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         await self.runner.start()
         self._service = await add_service(
             self.log.nc, name=SERVICE, version="0.1.0", description="derived model context of sessions"

@@ -68,6 +68,13 @@ class RepairerService:
         self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         await self.runner.start()
         for info in await self.log.sessions():
             if info.open_turn:

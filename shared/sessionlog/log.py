@@ -32,7 +32,7 @@ import nats.errors
 from msgspec import UNSET
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError, NotFoundError
 
 from .connection import connect as nats_connect
 from .errors import (
@@ -167,7 +167,7 @@ class SessionLog:
         """Every visible session, newest first."""
         try:
             keys = await self._kv_sessions.keys()
-        except NotFoundError:
+        except (NotFoundError, NoKeysError):
             return []
         out: list[SessionInfo] = []
         for key in keys:

@@ -498,7 +498,7 @@ class ProjectionRunner(Generic[S]):
     async def _claim_loop(self) -> None:
         ttl = self.settings.lease_ttl_s
         period = max(0.2, self.settings.effective_lease_refresh_s)
-        while self._running:
+        while self._running and not self.log.nc.is_closed:
             try:
                 await self._claim_round(ttl)
             except asyncio.CancelledError:

@@ -307,7 +307,7 @@ def _message_seq(messages: Sequence[DerivedMessage], header: FoldedHeader, index
     for message in messages:
         position += len(wire_messages(message))
         if index < position:
-            return message.seq
+            return message.seq if message.seq >= 0 else None
     return None
 
 

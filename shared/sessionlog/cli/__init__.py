@@ -9,7 +9,7 @@ import typer
 from typer.exceptions import TyperException
 
 from ..errors import SessionLogError
-from . import files, logcmds, servecmds
+from . import files, logcmds, servecmds, upcmds
 
 app = typer.Typer(
     name="sessionlog",
@@ -22,6 +22,7 @@ app = typer.Typer(
 files.register(app)
 logcmds.register(app)
 servecmds.register(app)
+upcmds.register(app)
 
 
 def error_line(err: SessionLogError) -> str:

@@ -17,3 +17,5 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES_DIR = REPO_ROOT.parent / "shared" / "fixtures" / "dsh-sessions"
+
+pytest_plugins = ["natsfixtures"]

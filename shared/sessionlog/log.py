@@ -29,6 +29,7 @@ from typing import Any, Final
 
 import msgspec
 import nats.errors
+import nats.js.errors
 from msgspec import UNSET
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
@@ -51,7 +52,7 @@ from .jsonl import JsonlLog, SessionHeader, decode_header, read_jsonl, write_jso
 from .leases import Lease, LeaseLost, Leases
 from .provision import provision
 from .reader import StreamReader
-from .record import HEADER_ALLOWANCE, Record, encode_payload, in_subject, record_headers
+from .record import HEADER_ALLOWANCE, Record, encode_payload, events_filter, in_subject, raw_subject, record_headers
 from .session import Session
 from .settings import Settings
 from .surface import ReplaceOp
@@ -60,6 +61,15 @@ log = logging.getLogger("sessionlog.writer")
 
 ERR_WRONG_LAST_SEQUENCE: Final = 10071
 ERR_STREAM_STORE_FULL: Final = (10047, 10077, 10027)
+
+
+PURGED_PREFIX: Final = "sessionlog.admin.purged."
+
+
+class PurgeRefused(SessionLogError):
+    """The streams were created with `deny_purge`, so a session cannot be erased."""
+
+    code = "PURGE_REFUSED"
 
 
 class LogFull(SessionLogError):
@@ -323,6 +333,33 @@ class SessionLog:
             size += len(raw) + 1
         if batch:
             await publisher.publish(batch, first, last_stream_seq, probe.open_turn or 0)
+
+    # ---------------------------------------------------------------------------------- erasure
+
+    async def purge(self, session_id: str) -> None:
+        """Erase one session (a privacy request): its records, its raw gateway bytes, its header; every
+        projection is told to forget it. Admin only; the streams must have been created with
+        `SESSIONLOG_ALLOW_PURGE=true` (JetStream never lifts `deny_purge`)."""
+        check_session_id(session_id)
+        if await self.header(session_id) is None and await self.reader.last_record(session_id) is None:
+            raise SessionNotFound(f"session {session_id} not found")
+        for stream, subject in (
+            (self.settings.stream, events_filter(session_id)),
+            (self.settings.raw_stream, raw_subject(session_id)),
+        ):
+            try:
+                await self.js.purge_stream(stream, subject=subject)
+            except NotFoundError:
+                continue
+            except nats.js.errors.APIError as err:
+                raise PurgeRefused(
+                    f"stream {stream} refuses purges ({err.description}); erasure needs streams created with "
+                    "SESSIONLOG_ALLOW_PURGE=true"
+                ) from None
+        with contextlib.suppress(NotFoundError, KeyNotFoundError):
+            await self._kv_sessions.purge(session_id)
+        await self.nc.publish(f"{PURGED_PREFIX}{session_id}", b"")
+        await self.nc.flush()
 
     # ---------------------------------------------------------------------------------- leases
 

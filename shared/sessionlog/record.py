@@ -48,6 +48,11 @@ def partition_filter(partition: int) -> str:
 ALL_EVENTS: Final = "sessionlog.events.>"
 
 
+def raw_subject(session_id: str) -> str:
+    """The raw audit stream's subject of one session: the gateway's exact request and response bytes."""
+    return f"sessionlog.raw.{session_id}"
+
+
 def session_of_subject(subject: str) -> str:
     """`sessionlog.events.<p>.<id>` -> `<id>`."""
     return subject.rsplit(".", 1)[-1]

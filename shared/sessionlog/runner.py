@@ -44,7 +44,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from .errors import CorruptLog, SessionLogError
 from .leases import Lease, LeaseHeld, LeaseLost, Leases
-from .log import SessionLog
+from .log import PURGED_PREFIX, SessionLog
 from .metrics import APPLIED, LAG_EVENTS, LAG_SECONDS, QUARANTINED
 from .provision import partition_of
 from .record import Record, decode_record, partition_filter, session_of_subject
@@ -148,6 +148,7 @@ class ProjectionRunner(Generic[S]):
         self._running = False
         self._tasks: list[asyncio.Task[None]] = []
         self._presence: Any = None
+        self._purges: Any = None
         self._leases = Leases(log_.js, self.settings.kv_leases, timeout=self.settings.request_timeout_s)
         self._kv: Any = None
         self.started = asyncio.Event()
@@ -157,6 +158,7 @@ class ProjectionRunner(Generic[S]):
     async def start(self) -> None:
         self._running = True
         self._kv = await self.log.js.key_value(self.settings.kv_checkpoints)
+        self._purges = await self.log.nc.subscribe(f"{PURGED_PREFIX}*", cb=self._on_purge)
         if self.claim:
             self._presence = await self.log.nc.subscribe(f"sessionlog.replicas.{self.name}", cb=self._answer_presence)
             self._tasks.append(asyncio.create_task(self._claim_loop(), name=f"{self.name}-claims"))
@@ -178,9 +180,10 @@ class ProjectionRunner(Generic[S]):
         self._tasks.clear()
         for number in list(self._partitions):
             await self._disown(number, release=True)
-        if self._presence is not None:
-            with contextlib.suppress(Exception):
-                await self._presence.unsubscribe()
+        for sub in (self._presence, self._purges):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
     @property
     def owned(self) -> list[int]:
@@ -468,6 +471,13 @@ class ProjectionRunner(Generic[S]):
         LAG_EVENTS.labels(self.name, str(part.number)).set(part.pending)
         lag_s = 0.0 if part.pending == 0 or not part.last_time else max(0.0, time.time() - part.last_time)
         LAG_SECONDS.labels(self.name, str(part.number)).set(lag_s)
+
+    async def _on_purge(self, msg: Any) -> None:
+        """An admin erased a session: forget everything about it."""
+        session_id = msg.subject[len(PURGED_PREFIX) :]
+        self._forget(session_id)
+        self.poisoned.pop(session_id, None)
+        self.projection.on_forget(session_id)
 
     # ---------------------------------------------------------------------------------- claims
 

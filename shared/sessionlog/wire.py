@@ -303,7 +303,7 @@ def _message_seq(messages: Sequence[DerivedMessage], header: FoldedHeader, index
     system, _ = header_fields(header)
     position = 1 if system is not None else 0
     if index < position:
-        return header.seq
+        return header.seq if header.seq >= 0 else None
     for message in messages:
         position += len(wire_messages(message))
         if index < position:
@@ -370,15 +370,15 @@ def compare_request(
         if found is None:  # pragma: no cover
             found = ("$", expected_fields, rest)
         path, want, got = found
+        where_header = f"the request/header at seq {header.seq}" if header.seq >= 0 else "the folded request/header"
         hint = ""
         if want is _MISSING:
             hint = " (the request/header holds no such field: model-visible input must be logged first)"
         return Divergence(
             HeaderDiverges.code,
             path,
-            f"request {PHRASE} at {path} (the request/header at seq {header.seq}): expected {_show(want)}, "
-            f"got {_show(got)}{hint}",
-            header.seq,
+            f"request {PHRASE} at {path} ({where_header}): expected {_show(want)}, got {_show(got)}{hint}",
+            header.seq if header.seq >= 0 else None,
         )
     return None
 

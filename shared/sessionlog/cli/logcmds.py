@@ -112,7 +112,19 @@ def tail(
     run_with_log(work)
 
 
+def purge(
+    session_id: Annotated[str, typer.Argument(help="The session to erase.", show_default=False)],
+    yes: Annotated[bool, typer.Option("--yes", help="Confirm: this erases the session for good.")] = False,
+) -> None:
+    """Admin only: erase one session (records, raw gateway bytes, header); every projection forgets it."""
+    if not yes:
+        raise typer.BadParameter("purge erases a session for good; add --yes to confirm")
+    run_with_log(lambda log: log.purge(session_id))
+    typer.echo(f"purged {session_id}")
+
+
 def register(app: typer.Typer) -> None:
+    app.command()(purge)
     app.command("import")(import_)
     app.command()(export)
     app.command()(sessions)

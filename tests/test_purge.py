@@ -1,0 +1,67 @@
+"""Erasure of one session (`sessionlog purge`): admin only, and only on streams created to allow it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from natsfixtures import log_settings, new_session_id, start_server
+
+from services.context_deriver import ContextDeriver
+from sessionlog.errors import SessionNotFound
+from sessionlog.log import PurgeRefused, SessionLog
+from sessionlog.runner import ProjectionRunner
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+async def _session_with_events(log: SessionLog) -> str:
+    session_id = new_session_id()
+    writer = await log.create(session_id)
+    await writer.emit("turn/start", {"turn": 1})
+    await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}})
+    await writer.close()
+    return session_id
+
+
+async def test_purge_is_refused_on_a_stream_created_with_deny_purge_and_nothing_is_lost(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "nats")
+    try:
+        log = await SessionLog.connect(log_settings(server.url))
+        session_id = await _session_with_events(log)
+        with pytest.raises(PurgeRefused, match="SESSIONLOG_ALLOW_PURGE"):
+            await log.purge(session_id)
+        assert len(await log.reader.events(session_id)) == 2
+        assert await log.header(session_id) is not None
+        await log.close()
+    finally:
+        server.kill()
+
+
+async def test_purge_erases_records_and_header_and_projections_forget(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "nats")
+    try:
+        log = await SessionLog.connect(log_settings(server.url, allow_purge=True))
+        session_id = await _session_with_events(log)
+        keep = await _session_with_events(log)
+        runner = ProjectionRunner(log, ContextDeriver(), claim=False)
+        await runner.start()
+        await runner.wait_for(session_id, 1, timeout=5)
+        assert session_id in runner.states
+        await log.purge(session_id)
+        assert await log.reader.events(session_id) == []
+        assert await log.header(session_id) is None
+        assert [s.id for s in await log.sessions()] == [keep]
+        for _ in range(100):
+            if session_id not in runner.states:
+                break
+            await asyncio.sleep(0.02)
+        assert session_id not in runner.states
+        with pytest.raises(SessionNotFound):
+            await log.purge(session_id)
+        assert len(await log.reader.events(keep)) == 2
+        await runner.stop()
+        await log.close()
+    finally:
+        server.kill()

@@ -154,6 +154,8 @@ class ContextDeriverService:
             "generation": session.generation,
             "header": header.to_builtins() if header is not None else None,
             "sha256": digest,
+            # The gateway's invariant needs an open step: [turn, step], or null between steps.
+            "open_step": [session.open_turn, session.open_step.number] if session.open_step is not None else None,
         }
         limit = int(self.log.nc.max_payload * PAGE_FRACTION)
         if len(messages_body) + 1024 <= limit and page == 0:

@@ -55,5 +55,16 @@ def up() -> None:
     console.print("sessionlog stopped")
 
 
+def demo() -> None:
+    """Run one agent session through the whole system, offline, and check everything it shows (exit 0 = all
+    checks passed)."""
+    from ..demo import run_demo
+
+    ok = run_demo()
+    stop_embedded()
+    raise typer.Exit(0 if ok else 1)
+
+
 def register(app: typer.Typer) -> None:
     app.command()(up)
+    app.command()(demo)

@@ -436,6 +436,9 @@ class ProjectionRunner(Generic[S]):
                 except (TimeoutError, nats.errors.TimeoutError):
                     await self._idle(part, sub)
                     continue
+                if not msgs:  # nats-py answers a fetch with [] when a late status of an expired pull arrives
+                    await self._idle(part, sub)
+                    continue
                 for msg in msgs:
                     meta = msg.metadata
                     seq = meta.sequence.stream

@@ -78,7 +78,7 @@ class Stack:
     async def start(cls, names: list[str], settings: Settings, options: RunOptions | None = None) -> Stack:
         options = options or RunOptions()
         log_ = await SessionLog.connect(settings)
-        health = HealthServer(settings.gateway_host, settings.metrics_port) if settings.metrics_port else None
+        health = HealthServer(settings.metrics_host, settings.metrics_port) if settings.metrics_port else None
         stack = cls(log_, health)
         try:
             for name in names:

@@ -176,6 +176,9 @@ class Settings(BaseSettings):
     )
     ui_host: str = Field(default="127.0.0.1", description="ui-replayer HTTP bind address.")
     ui_port: int = Field(default=8471, ge=1, le=65535, description="ui-replayer HTTP port.")
+    metrics_host: str = Field(
+        default="127.0.0.1", description="Bind address of the process's health and Prometheus metrics server."
+    )
     metrics_port: int = Field(
         default=9470, ge=0, le=65535, description="Port of the process's health and Prometheus metrics (`0` = off)."
     )

@@ -75,7 +75,7 @@ class ShownBlock(Struct, frozen=True, omit_defaults=True):
     attachment: str | None = None  # image: the attachment id
 
 
-class _Entry(Struct, frozen=True, omit_defaults=True, tag_field="kind"):
+class _Entry(Struct, frozen=True, tag_field="kind"):
     key: str
     seq: int
     last: int
@@ -179,7 +179,8 @@ class DeltaUpdate(Struct, frozen=True, tag="delta", tag_field="update", omit_def
     index: int
     block: str
     text: str
-    name: str | None = None
+    name: str | None = None  # tool-call deltas: the tool's name and the call id, as the stream gives them
+    id: str | None = None
 
 
 Update = EntryUpdate | DeltaUpdate
@@ -212,6 +213,7 @@ def coalesce(updates: Sequence[Update]) -> list[Update]:
                 block=prev.block,
                 text=prev.text + update.text,
                 name=prev.name or update.name,
+                id=prev.id or update.id,
             )
         else:
             out.append(update)
@@ -450,6 +452,7 @@ class TranscriptBuilder:
                     index=chunk.index,
                     block="tool-call",
                     text=chunk.arguments_delta,
+                    id=chunk.id,
                     name=name,
                 ),
             ]

@@ -9,7 +9,7 @@ import typer
 from typer.exceptions import TyperException
 
 from ..errors import SessionLogError
-from . import files, logcmds, servecmds, upcmds
+from . import auditcmds, files, logcmds, servecmds, upcmds
 
 app = typer.Typer(
     name="sessionlog",
@@ -23,6 +23,7 @@ files.register(app)
 logcmds.register(app)
 servecmds.register(app)
 upcmds.register(app)
+auditcmds.register(app)
 
 
 def error_line(err: SessionLogError) -> str:

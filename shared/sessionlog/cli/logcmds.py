@@ -123,7 +123,19 @@ def purge(
     typer.echo(f"purged {session_id}")
 
 
+def provision() -> None:
+    """Create or verify the streams, buckets and object store (admin); a mismatch is reported, never changed."""
+
+    async def work(log: SessionLog) -> str:
+        from ..provision import provision as provision_stores
+
+        return str(await provision_stores(log.js, log.settings))
+
+    typer.echo(run_with_log(work))
+
+
 def register(app: typer.Typer) -> None:
+    app.command()(provision)
     app.command()(purge)
     app.command("import")(import_)
     app.command()(export)

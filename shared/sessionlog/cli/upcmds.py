@@ -25,8 +25,8 @@ def urls(settings: Settings, stack: Stack | None = None) -> dict[str, str]:
         out["gateway"] = f"http://{settings.gateway_host}:{settings.gateway_port}/v1"
     if settings.metrics_port:
         port = stack.health.port if stack is not None and stack.health is not None else settings.metrics_port
-        out["metrics"] = f"http://{settings.gateway_host}:{port}/metrics"
-        out["health"] = f"http://{settings.gateway_host}:{port}/readyz"
+        out["metrics"] = f"http://{settings.metrics_host}:{port}/metrics"
+        out["health"] = f"http://{settings.metrics_host}:{port}/readyz"
     return out
 
 

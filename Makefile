@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check shared services tests bench
-	$(BIN)/ruff format --check shared services tests bench
+	$(BIN)/ruff check shared services tests bench examples
+	$(BIN)/ruff format --check shared services tests bench examples
 	$(BIN)/mypy
 
 test: lint

@@ -6,7 +6,7 @@ import importlib
 import json
 import sys
 
-BENCHMARKS = ["bench_session"]
+BENCHMARKS = ["bench_session", "bench_gateway"]
 
 
 def main(argv: list[str]) -> int:

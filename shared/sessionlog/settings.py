@@ -183,6 +183,26 @@ class Settings(BaseSettings):
         default=9470, ge=0, le=65535, description="Port of the process's health and Prometheus metrics (`0` = off)."
     )
 
+    gateway_upstream_timeout_s: float = Field(
+        default=300.0, gt=0, description="Gateway: seconds an upstream call may take in all."
+    )
+    gateway_upstream_connect_timeout_s: float = Field(
+        default=10.0, gt=0, description="Gateway: seconds to connect to the upstream provider."
+    )
+    gateway_derive_wait_s: float = Field(
+        default=5.0, gt=0, description="Gateway: seconds to wait for the log to reach a request's X-Session-Seq."
+    )
+    gateway_deriver_timeout_s: float = Field(
+        default=1.0, gt=0, description="Gateway: seconds to wait for the context-deriver before reading the stream."
+    )
+    gateway_derivation: Literal["auto", "stream", "context-deriver"] = Field(
+        default="auto",
+        description="Gateway: where derivations come from (`auto`: the context-deriver, the stream as fallback).",
+    )
+    gateway_raw_tee: bool = Field(
+        default=True, description="Gateway: publish the exact request and response bytes to the raw audit stream."
+    )
+
     # --- provider --------------------------------------------------------------------------------------------
     provider_base_url: str = Field(
         default="https://api.deepseek.com", description="Base URL of the upstream OpenAI-compatible provider."

@@ -594,7 +594,7 @@ class TranscriptBuilder:
             status = f" (HTTP {reason.error.status})" if reason.error.status is not UNSET else ""
             detail = f"{reason.error.message}{code}{status}"
         elif outcome == "interrupted":
-            detail = "interrupted by a crash; the turn was closed from the log, tool results marked synthetic"
+            detail = "its writer crashed; the turn was closed from the log and its missing tool results are synthetic"
         elif outcome == "max-tokens":
             detail = "the response reached the token limit"
         elif outcome == "blocked":

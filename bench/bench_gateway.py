@@ -1,0 +1,261 @@
+"""Gateway overhead (issue 5): time before the first upstream byte, minus the upstream, at 100, 1,000 and 10,000
+messages, against a direct call to the same scripted provider in the same run, and against one msgspec decode of
+the same request body.
+
+One nats-server (temporary), the scripted provider and the gateway each run in a process of their own; the
+client alternates direct and gateway calls on one session per size, so both see the same machine state. `ttfb`
+is from sending the request to the first byte of the response body. The overhead is the gateway's ttfb percentile
+minus the direct one's. `invariant` is the gateway's own work before forwarding (reading the log's tail, the
+check), measured in-process on the same request body with the gateway's code; `gateway_side_mean_ms` is what
+the gateway's own metrics saw. Goals: overhead
+p99 under 2 ms at 100 messages; invariant at most 3x one decode of the body at every size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from services.gateway import StreamSource
+from services.gateway.app import gc_paused
+from sessionlog.embedded import EmbeddedServer, free_port
+from sessionlog.log import SessionLog
+from sessionlog.settings import Settings
+from sessionlog.wire import WireCache, compare_request, parse_request, to_wire
+
+from .synth import LogBuilder
+
+SIZES = tuple(int(s) for s in os.environ.get("BENCH_GATEWAY_SIZES", "100,1000,10000").split(","))
+ROUNDS = {100: 400, 1_000: 200, 10_000: 40}
+
+
+def session_events(messages: int) -> list[bytes]:
+    """A valid log with about `messages` derived messages and an open step, ready for a request."""
+    builder = LogBuilder()
+    while True:
+        # a finished turn yields 5 messages (user, assistant with 2 calls, 2 results, answer) + the system prompt
+        if (builder.turn + 1) * 5 > messages - 2:
+            break
+        builder.turn_with_tools(deltas=0, tools=2)
+    t = builder.turn + 1
+    builder.turn = t
+    builder.add("turn/start", {"turn": t})
+    user = {"id": f"u{t}", "role": "user", "source": {"kind": "user"}, "content": [{"type": "text", "text": "q" * 80}]}
+    builder.add("user/message", user, surface_op="append")
+    builder.add("step/start", {"turn": t, "step": 1})
+    if t == 1:
+        header = {"config": {"provider": "p", "model": "m", "temperature": 0.2}, "system": "be brief"}
+        builder.add("request/header", {"header": header, "reason": "initial"})
+    return builder.events
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"p50": round(pct(values, 0.5), 4), "p99": round(pct(values, 0.99), 4), "n": len(values)}
+
+
+async def ttfb(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]) -> float:
+    start = time.perf_counter()
+    async with client.stream("POST", url, content=body, headers=headers) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
+        chunks = response.aiter_raw()
+        await anext(chunks)
+        elapsed = time.perf_counter() - start
+        async for _ in chunks:
+            pass
+    return elapsed * 1000
+
+
+def decode_ms(body: bytes) -> float:
+    runs = []
+    for _ in range(15):
+        start = time.perf_counter()
+        msgspec.json.decode(body)
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs) * 1000
+
+
+async def gateway_sums(client: httpx.AsyncClient, metrics_url: str) -> dict[str, float]:
+    """Sums and counts of the gateway's own histograms (its /metrics), to take differences around a run."""
+    text = (await client.get(metrics_url)).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in ("invariant_seconds", "upstream_first_byte_seconds"):
+            for part in ("sum", "count"):
+                key = f"sessionlog_gateway_{name}_{part} "
+                if line.startswith(key):
+                    out[f"{name}_{part}"] = float(line[len(key) :])
+    return out
+
+
+def mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    count = after[f"{name}_count"] - before[f"{name}_count"]
+    return round((after[f"{name}_sum"] - before[f"{name}_sum"]) / count * 1000, 4) if count else 0.0
+
+
+async def measure(log: SessionLog, provider_url: str, gateway_url: str, size: int) -> dict[str, Any]:
+    events = session_events(size)
+    session_id = f"bench-{size}-{time.time_ns() % 10**9}"
+    writer = await log.create(session_id)
+    for raw in events:
+        await writer.append(raw)
+    seq = await writer.flush()
+    session = writer.session
+    header = session.fold_request_header()
+    assert header is not None
+    messages = session.derive_messages()
+    request = {**to_wire(messages, header), "stream": True}
+    body = msgspec.json.encode(request)
+    headers = {"X-Session-Id": session_id, "X-Session-Seq": str(seq), "content-type": "application/json"}
+    direct, gateway = [], []
+    async with httpx.AsyncClient(timeout=60) as client:
+        cold = await ttfb(client, gateway_url, body, headers)
+        for _ in range(5):  # warm both paths
+            await ttfb(client, provider_url, body, headers)
+            await ttfb(client, gateway_url, body, headers)
+        gc.collect()
+        metrics_url = gateway_url.replace("/v1/chat/completions", "/metrics")
+        before = await gateway_sums(client, metrics_url)
+        for _ in range(ROUNDS[size]):
+            direct.append(await ttfb(client, provider_url, body, headers))
+            gateway.append(await ttfb(client, gateway_url, body, headers))
+        after = await gateway_sums(client, metrics_url)
+    # The gateway's own work before forwarding, with its code, in this process: tail read + parse + check.
+    source = StreamSource(log)
+    cache = WireCache()
+    await source.derive(session_id, seq)
+    invariant = []
+    for _ in range(min(ROUNDS[size], 100)):
+        start = time.perf_counter()
+        derived = await source.derive(session_id, seq)
+        assert derived.header is not None
+        with gc_paused():  # as the gateway does
+            divergence = compare_request(parse_request(body), derived.messages, derived.header, cache=cache)
+        invariant.append((time.perf_counter() - start) * 1000)
+        assert divergence is None
+    check_only = []
+    for _ in range(min(ROUNDS[size], 100)):
+        start = time.perf_counter()
+        with gc_paused():
+            compare_request(parse_request(body), derived.messages, derived.header, cache=cache)
+        check_only.append((time.perf_counter() - start) * 1000)
+    await writer.close()
+    decode = decode_ms(body)
+    d, g = summary(direct), summary(gateway)
+    overhead = {"p50": round(g["p50"] - d["p50"], 4), "p99": round(g["p99"] - d["p99"], 4)}
+    inv, chk = summary(invariant), summary(check_only)
+    return {
+        "messages": len(messages),
+        "events": len(events),
+        "body_bytes": len(body),
+        "decode_ms": round(decode, 4),
+        "direct_ttfb_ms": d,
+        "gateway_ttfb_ms": g,
+        "overhead_ms": overhead,
+        "cold_first_request_ttfb_ms": round(cold, 3),
+        "gateway_side_mean_ms": {
+            "invariant": mean_ms(before, after, "invariant_seconds"),
+            "upstream_first_byte": mean_ms(before, after, "upstream_first_byte_seconds"),
+        },
+        "invariant_ms": inv,
+        "check_only_ms": chk,
+        "overhead_p99_over_decode": round(overhead["p99"] / decode, 2),
+        "invariant_p99_over_decode": round(inv["p99"] / decode, 2),
+        "check_p99_over_decode": round(chk["p99"] / decode, 2),
+    }
+
+
+async def run_all(settings: Settings, provider_url: str, gateway_url: str) -> dict[str, Any]:
+    log = await SessionLog.connect(settings)
+    try:
+        return {str(size): await measure(log, provider_url, gateway_url, size) for size in SIZES}
+    finally:
+        await log.close()
+
+
+def _spawn(args: list[str], env: dict[str, str], health: str) -> subprocess.Popen[bytes]:
+    """Start a server process and wait until its health endpoint answers."""
+    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{args} exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        try:
+            if httpx.get(health, timeout=0.5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"{args} did not become healthy")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def main() -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as tmp:
+        server = EmbeddedServer(Path(tmp) / "nats").start()
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            # The provider and the gateway run in processes of their own, as in production: no GIL shared with
+            # the client or with each other.
+            script = Path(tmp) / "script.json"
+            script.write_text(json.dumps([{"text": "ok", "usage": {"prompt_tokens": 1, "completion_tokens": 1}}]))
+            provider_port, gateway_port = free_port(), free_port()
+            provider_url = f"http://127.0.0.1:{provider_port}"
+            gateway_url = f"http://127.0.0.1:{gateway_port}"
+            env = {**os.environ, "SESSIONLOG_NATS_URL": server.url, "SESSIONLOG_METRICS_PORT": "0",
+                   "SESSIONLOG_GATEWAY_PORT": str(gateway_port), "SESSIONLOG_PROVIDER_BASE_URL": provider_url + "/v1",
+                   "SESSIONLOG_PROVIDER_API_KEY": "unused"}  # fmt: skip
+            args = ["-m", "services.gateway.scripted", str(script), "--port", str(provider_port), "--cycle"]
+            procs.append(_spawn(args, env, provider_url + "/healthz"))
+            procs.append(_spawn(["-m", "services.gateway", "--derivation", "stream"], env, gateway_url + "/healthz"))
+            settings = Settings(_env_file=None, nats_url=server.url, metrics_port=0)
+            sizes = asyncio.run(
+                run_all(settings, provider_url + "/v1/chat/completions", gateway_url + "/v1/chat/completions")
+            )
+        finally:
+            for proc in reversed(procs):
+                _stop(proc)
+            server.kill()
+    return {
+        "benchmark": "gateway",
+        "sizes": sizes,
+        "goals": {
+            "overhead_p99_under_2ms_at_100": sizes["100"]["overhead_ms"]["p99"] < 2.0,
+            "check_at_most_3x_decode": {k: v["check_p99_over_decode"] <= 3.0 for k, v in sizes.items()},
+            "invariant_at_most_3x_decode": {k: v["invariant_p99_over_decode"] <= 3.0 for k, v in sizes.items()},
+        },
+        "notes": "ttfb includes both HTTP hops; overhead = gateway ttfb percentile - direct ttfb percentile. "
+        "check = parse + canonical compare (the 3x-decode goal); invariant = check + the stream tail read (one NATS "
+        "round trip), both with the gateway's code in this process. The raw tee runs after each response.",
+    }
+
+
+if __name__ == "__main__":
+    json.dump(main(), sys.stdout, indent=2)
+    sys.stdout.write("\n")

@@ -1,0 +1,287 @@
+"""Where the gateway gets the dispatch-time durable derivation of a session: the context-deriver, or the stream.
+
+`DerivationSource.derive(session_id, min_seq)` answers with the derived messages, the folded header and the open
+step of the durable log once it holds at least seq `min_seq` (the last seq the caller says it flushed, inclusive).
+
+- `StreamSource` reads the event stream itself. It keeps a live `Session` per recently used session and, on every
+  call, reads only the records after the last one it applied (one direct-get round trip when nothing is new), so a
+  long session is validated once, not once per request. It always reads the tail: the invariant is about the
+  durable log at dispatch time, not about what the caller claims.
+- `ContextDeriverClient` asks the context-deriver (`sessionlog.context.derive`, reply shape in ARCHITECTURE.md's
+  conventions table) and falls back to a `StreamSource` when no deriver answers in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+
+from sessionlog.errors import (
+    CorruptLog,
+    DerivationDiverges,
+    LogUnavailable,
+    SessionLogError,
+    SessionNotFound,
+    error_from_code,
+)
+from sessionlog.events import Message, RequestHeader, canonical_json
+from sessionlog.log import SessionLog
+from sessionlog.session import DerivedMessage, FoldedHeader, Session
+from sessionlog.wire import PHRASE
+
+log = logging.getLogger("sessionlog.gateway")
+
+DERIVE_SUBJECT: Final = "sessionlog.context.derive"
+# How long to derive from the stream after a deriver reply that cannot serve the invariant (no `open_step`).
+_SKIP_S: Final = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Derivation:
+    """The durable log's model-visible state at dispatch time."""
+
+    session_id: str
+    seq: int  # the last seq of the log this derivation is of (-1: empty)
+    messages: Sequence[DerivedMessage]
+    header: FoldedHeader | None
+    open_step: tuple[int, int] | None  # (turn, step), None when no step is open
+    generation: int
+    source: str  # "stream" or "context-deriver"
+
+
+class DerivationSource(Protocol):
+    async def derive(self, session_id: str, min_seq: int | None) -> Derivation: ...
+
+
+def _not_reached(session_id: str, min_seq: int, last: int, waited: float) -> DerivationDiverges:
+    return DerivationDiverges(
+        f"request {PHRASE}: the caller says it flushed seq {min_seq} of session {session_id}, but the durable log "
+        f"ends at seq {last} after waiting {waited:.2f}s; flush the writer before the request",
+        seq=min_seq,
+    )
+
+
+class _Live:
+    __slots__ = ("last_stream_seq", "lock", "session")
+
+    def __init__(self, session: Session, last_stream_seq: int) -> None:
+        self.session = session
+        self.last_stream_seq = last_stream_seq
+        self.lock = asyncio.Lock()
+
+
+class StreamSource:
+    """Derives from the event stream directly, keeping recently used sessions live (LRU, `max_sessions`)."""
+
+    def __init__(
+        self, log: SessionLog, *, wait_s: float = 5.0, poll_s: float = 0.005, max_sessions: int = 1024
+    ) -> None:
+        self._log = log
+        self._wait_s = wait_s
+        self._poll_s = poll_s
+        self._max = max_sessions
+        self._live: OrderedDict[str, _Live] = OrderedDict()
+
+    def forget(self, session_id: str) -> None:
+        self._live.pop(session_id, None)
+
+    async def _load(self, session_id: str) -> _Live:
+        if await self._log.header(session_id) is None:
+            raise SessionNotFound(f"session {session_id} not found")
+        records = await self._log.reader.records(session_id)
+        session = Session(e for r in records for e in r.events)
+        return _Live(session, records[-1].stream_seq if records else 0)
+
+    async def _catch_up(self, session_id: str, live: _Live) -> bool:
+        """Apply the records after the last one applied; False when the log no longer continues the cached one."""
+        records = await self._log.reader.records(session_id, from_stream_seq=live.last_stream_seq + 1)
+        if records and records[0].first_seq != len(live.session):
+            return False
+        for record in records:
+            for raw in record.events:
+                live.session.append(raw)
+            live.last_stream_seq = record.stream_seq
+        return True
+
+    async def derive(self, session_id: str, min_seq: int | None) -> Derivation:
+        live = self._live.get(session_id)
+        if live is None:
+            live = await self._load(session_id)
+            live = self._live.setdefault(session_id, live)
+        self._live.move_to_end(session_id)
+        while len(self._live) > self._max:
+            self._live.popitem(last=False)
+        started = time.monotonic()
+        delay = self._poll_s
+        async with live.lock:
+            while True:
+                try:
+                    if not await self._catch_up(session_id, live):
+                        log.warning("session %s: the log does not continue the cached one; reloading", session_id)
+                        fresh = await self._load(session_id)
+                        live.session, live.last_stream_seq = fresh.session, fresh.last_stream_seq
+                except SessionLogError:
+                    self._live.pop(session_id, None)  # never keep a half-applied record
+                    raise
+                session = live.session
+                if min_seq is None or len(session) > min_seq:
+                    break
+                waited = time.monotonic() - started
+                if waited >= self._wait_s:
+                    raise _not_reached(session_id, min_seq, len(session) - 1, waited)
+                await asyncio.sleep(min(delay, max(0.0, self._wait_s - waited)))
+                delay = min(delay * 2, 0.1)
+            step = session.open_step
+            return Derivation(
+                session_id=session_id,
+                seq=len(session) - 1,
+                messages=session.derive_messages(),
+                header=session.fold_request_header(),
+                open_step=(session.open_turn or 0, step.number) if step is not None else None,
+                generation=session.generation,
+                source="stream",
+            )
+
+
+# ---------------------------------------------------------------------------------------------- deriver client
+
+
+class _HeaderReply(msgspec.Struct):
+    seq: int = -1
+    reason: str = "initial"
+    header: msgspec.Raw = msgspec.Raw(b"null")
+
+
+class _DeriveReply(msgspec.Struct):
+    session: str
+    seq: int
+    messages: list[msgspec.Raw]
+    header: msgspec.Raw = msgspec.Raw(b"null")
+    generation: int = 0
+    sha256: str | None = None
+    next_page: Any = None
+    open_step: Any = msgspec.UNSET
+    seqs: list[int] | None = None
+
+
+_reply_decoder: Final = msgspec.json.Decoder(_DeriveReply)
+_message_decoder: Final = msgspec.json.Decoder(Message)
+_header_decoder: Final = msgspec.json.Decoder(RequestHeader)
+_header_reply_decoder: Final = msgspec.json.Decoder(_HeaderReply)
+
+
+def _folded_header(raw: bytes | None) -> FoldedHeader | None:
+    """The reply's header: either `{seq, reason, header: {...}}` or the header object `{config, ...}` itself."""
+    if raw is None or raw.strip() == b"null":
+        return None
+    probe = msgspec.json.decode(raw)
+    if isinstance(probe, dict) and "config" not in probe and "header" in probe:
+        wrapped = _header_reply_decoder.decode(raw)
+        if bytes(wrapped.header).strip() == b"null":
+            return None
+        raw, seq, reason = bytes(wrapped.header), wrapped.seq, wrapped.reason
+    else:
+        seq, reason = -1, "initial"
+    return FoldedHeader(seq=seq, reason=reason, header=_header_decoder.decode(raw), raw=raw)
+
+
+def _open_step(value: Any) -> tuple[int, int] | None:
+    if value is None or value is False:
+        return None
+    if isinstance(value, dict):
+        return int(value.get("turn", 0)), int(value.get("step", 0))
+    if isinstance(value, list | tuple) and len(value) == 2:
+        return int(value[0]), int(value[1])
+    return (0, 0) if value is True else None
+
+
+class ContextDeriverClient:
+    """Asks the context-deriver for the derivation; falls back to `fallback` on timeout or no responders.
+
+    The reply must say whether a step is open (`open_step`: `{turn, step}` or null), which the invariant needs;
+    a reply without it is answered from the stream instead (and the stream is used for a minute after). `seqs`,
+    when present, gives each message's seq. The reply's `header` may be the folded header object itself (as
+    `FoldedHeader.to_builtins()` gives it) or `{seq, reason, header}`.
+    """
+
+    def __init__(
+        self, nc: Client, fallback: DerivationSource, *, timeout_s: float = 2.0, subject: str = DERIVE_SUBJECT
+    ) -> None:
+        self._nc = nc
+        self._fallback = fallback
+        self._timeout = timeout_s
+        self._subject = subject
+        self.fallbacks = 0
+        self._skip_until = 0.0
+
+    async def _request(self, body: dict[str, Any]) -> _DeriveReply:
+        reply = await self._nc.request(self._subject, msgspec.json.encode(body), timeout=self._timeout)
+        headers = reply.headers or {}
+        code = headers.get("Nats-Service-Error-Code")
+        if code:
+            raise error_from_code(code, headers.get("Nats-Service-Error", "context-deriver refused the request"))
+        try:
+            return _reply_decoder.decode(reply.data)
+        except msgspec.DecodeError as exc:  # ValidationError included
+            raise LogUnavailable(f"context-deriver answered with an unreadable reply: {exc}") from None
+
+    async def derive(self, session_id: str, min_seq: int | None) -> Derivation:
+        # the deriver gives up a little before this client does, so its answer still arrives
+        body: dict[str, Any] = {"session": session_id, "timeout_ms": int(self._timeout * 800)}
+        if min_seq is not None:
+            body["min_seq"] = min_seq
+        if time.monotonic() < self._skip_until:
+            self.fallbacks += 1
+            return await self._fallback.derive(session_id, min_seq)
+        try:
+            first = await self._request(body)
+            replies = [first]
+            while replies[-1].next_page is not None:
+                replies.append(await self._request({**body, "page": replies[-1].next_page}))
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError, LogUnavailable):
+            # LOG_UNAVAILABLE: the deriver did not reach min_seq in time; the stream is the authority
+            self.fallbacks += 1
+            return await self._fallback.derive(session_id, min_seq)
+        if first.open_step is msgspec.UNSET:
+            log.warning(
+                "context-deriver replies carry no open_step, which the invariant needs; deriving from the stream "
+                "for the next %.0fs",
+                _SKIP_S,
+            )
+            self._skip_until = time.monotonic() + _SKIP_S
+            self.fallbacks += 1
+            return await self._fallback.derive(session_id, min_seq)
+        raws = [bytes(m) for r in replies for m in r.messages]
+        seqs = [s for r in replies for s in (r.seqs or ())]
+        if first.sha256 is not None:
+            joined = b"[" + b",".join(raws) + b"]"
+            if hashlib.sha256(joined).hexdigest() != first.sha256:
+                raws = [canonical_json(m) for m in raws]
+                joined = b"[" + b",".join(raws) + b"]"
+                if hashlib.sha256(joined).hexdigest() != first.sha256:
+                    raise CorruptLog(f"context-deriver reply for {session_id}: messages do not match their sha256")
+        if min_seq is not None and first.seq < min_seq:
+            raise _not_reached(session_id, min_seq, first.seq, self._timeout)
+        messages = [
+            DerivedMessage(seqs[i] if i < len(seqs) else -1, raw, _message_decoder.decode(raw))
+            for i, raw in enumerate(raws)
+        ]
+        return Derivation(
+            session_id=session_id,
+            seq=first.seq,
+            messages=tuple(messages),
+            header=_folded_header(bytes(first.header)),
+            open_step=_open_step(first.open_step),
+            generation=first.generation,
+            source="context-deriver",
+        )

@@ -1,0 +1,283 @@
+"""The scripted provider: a real local HTTP server speaking OpenAI chat-completions, replying from a script.
+
+For offline demos, tests and benchmarks. It streams SSE chunks (`data: {...}` lines, then `data: [DONE]`) or
+answers one JSON object, exactly as an OpenAI-compatible provider does, and records every request body it
+received, so a test can assert that a refused request never reached it.
+
+A script is a JSON array or JSONL file of replies, used in order (`cycle` repeats them). A reply is an object:
+
+- `text`: the assistant's text; `reasoning_content`: DeepSeek-style reasoning, streamed before the text;
+- `tool_calls`: `[{"id", "name", "arguments"}]` (arguments a string, streamed in pieces);
+- `usage`: `{"prompt_tokens", "completion_tokens"}` (default: a rough count), sent when streaming only if the
+  request asks with `stream_options.include_usage`;
+- `finish_reason`: default `tool_calls` when there are tool calls, else `stop`;
+- `delay_s`: wait before answering at all; `chunk_delay_s`: wait between streamed chunks;
+- `status` and `error`: answer that HTTP status with an OpenAI-style error instead;
+- `disconnect_after`: drop the connection after that many streamed chunks.
+
+When the script is used up the provider answers 500 "script exhausted". `GET /_scripted/requests` returns the
+bodies received; `POST /_scripted/script` replaces the script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+
+def load_script(path: Path) -> list[dict[str, Any]]:
+    """Replies from a JSON array or a JSONL file (one reply per line; blank lines and `#` lines skipped)."""
+    text = path.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        replies = msgspec.json.decode(stripped)
+    else:
+        replies = [msgspec.json.decode(line) for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    if not all(isinstance(r, dict) for r in replies):
+        raise ValueError(f"{path}: every reply of a script must be a JSON object")
+    return list(replies)
+
+
+class _Dropped(Exception):
+    """Raised inside a streaming reply to drop the connection on purpose (`disconnect_after`)."""
+
+
+class ScriptedProvider:
+    """The provider's state: the script, the position in it, and what it received."""
+
+    def __init__(
+        self, script: Iterable[dict[str, Any]] | Path | None = None, *, cycle: bool = False, model: str = "scripted"
+    ) -> None:
+        self._lock = threading.Lock()
+        self._replies: list[dict[str, Any]] = []
+        self._next = 0
+        self.cycle = cycle
+        self.model = model
+        self.received: list[bytes] = []
+        self.disconnects = 0
+        self.completed = 0
+        self.load(script if script is not None else [])
+
+    def load(self, script: Iterable[dict[str, Any]] | Path) -> None:
+        """Replace the script and start from its first reply."""
+        replies = load_script(script) if isinstance(script, Path) else [dict(r) for r in script]
+        with self._lock:
+            self._replies = replies
+            self._next = 0
+
+    def clear(self) -> None:
+        with self._lock:
+            self.received.clear()
+            self.disconnects = 0
+            self.completed = 0
+
+    def _take(self) -> dict[str, Any] | None:
+        with self._lock:
+            if self._next >= len(self._replies):
+                if not self.cycle or not self._replies:
+                    return None
+                self._next = 0
+            reply = self._replies[self._next]
+            self._next += 1
+            return reply
+
+    # ---------------------------------------------------------------------------------- endpoints
+
+    async def completions(self, request: Request) -> Response:
+        body = await request.body()
+        self.received.append(body)
+        try:
+            parsed = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            return _error(400, "the request body is not JSON", "invalid_request_error")
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("messages"), list):
+            return _error(400, "a chat-completions request needs a messages array", "invalid_request_error")
+        reply = self._take()
+        if reply is None:
+            return _error(500, "script exhausted: the scripted provider has no reply left", "server_error")
+        delay = float(reply.get("delay_s", 0))
+        if delay and not await _sleep_unless_disconnected(request, delay):
+            self.disconnects += 1
+            return Response(status_code=499)
+        status = int(reply.get("status", 200))
+        if status != 200:
+            return _error(status, str(reply.get("error", f"scripted error {status}")), "server_error")
+        model = str(parsed.get("model") or self.model)
+        if parsed.get("stream") is True:
+            include_usage = bool((parsed.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(
+                self._stream(reply, model, include_usage, len(body)), media_type="text/event-stream"
+            )
+        self.completed += 1
+        return Response(msgspec.json.encode(_completion(reply, model, len(body))), media_type="application/json")
+
+    async def _stream(self, reply: dict[str, Any], model: str, include_usage: bool, size: int) -> AsyncIterator[bytes]:
+        chunk_delay = float(reply.get("chunk_delay_s", 0))
+        drop_after = reply.get("disconnect_after")
+        sent = 0
+        try:
+            for chunk in _chunks(reply, model, include_usage, size):
+                if drop_after is not None and sent >= int(drop_after):
+                    raise _Dropped("scripted disconnect")
+                if sent and chunk_delay:
+                    await asyncio.sleep(chunk_delay)
+                yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                sent += 1
+            yield b"data: [DONE]\n\n"
+            self.completed += 1
+        except (asyncio.CancelledError, GeneratorExit):
+            self.disconnects += 1
+            raise
+
+    async def requests(self, request: Request) -> Response:
+        return JSONResponse([msgspec.json.decode(b) for b in list(self.received)])
+
+    async def replace_script(self, request: Request) -> Response:
+        replies = msgspec.json.decode(await request.body())
+        self.load(replies)
+        return JSONResponse({"replies": len(replies)})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.completions, methods=["POST"]),
+                Route("/chat/completions", self.completions, methods=["POST"]),
+                Route("/_scripted/requests", self.requests, methods=["GET"]),
+                Route("/_scripted/script", self.replace_script, methods=["POST"]),
+                Route("/healthz", self.health, methods=["GET"]),
+            ]
+        )
+
+
+async def _sleep_unless_disconnected(request: Request, delay: float) -> bool:
+    """Sleep `delay` seconds; False as soon as the client disconnects (a caller that gave up is noticed)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait_for(asyncio.shield(watcher), timeout=delay)
+    except TimeoutError:
+        return True
+    finally:
+        watcher.cancel()
+    return False
+
+
+def _error(status: int, message: str, kind: str) -> Response:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _usage(reply: dict[str, Any], size: int) -> dict[str, Any]:
+    usage = reply.get("usage")
+    if isinstance(usage, dict):
+        return usage
+    out_chars = len(reply.get("text", "")) + len(reply.get("reasoning_content", ""))
+    out_chars += sum(len(c.get("arguments", "")) for c in reply.get("tool_calls", ()))
+    prompt, completion = max(1, size // 4), max(1, out_chars // 4)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _finish_reason(reply: dict[str, Any]) -> str:
+    return str(reply.get("finish_reason") or ("tool_calls" if reply.get("tool_calls") else "stop"))
+
+
+def _pieces(text: str) -> list[str]:
+    """Streamed pieces: a word and its following space, like a tokenizer's output."""
+    return re.findall(r"\s*\S+\s*|\s+", text) or ([text] if text else [])
+
+
+def _chunks(reply: dict[str, Any], model: str, include_usage: bool, size: int) -> Iterable[dict[str, Any]]:
+    cid = "chatcmpl-" + uuid.uuid4().hex[:16]
+    created = int(time.time())
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+
+    yield chunk({"role": "assistant", "content": ""})
+    for piece in _pieces(str(reply.get("reasoning_content", ""))):
+        yield chunk({"reasoning_content": piece})
+    for piece in _pieces(str(reply.get("text", ""))):
+        yield chunk({"content": piece})
+    for index, call in enumerate(reply.get("tool_calls", ())):
+        head = {
+            "index": index,
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": call["name"], "arguments": ""},
+        }
+        yield chunk({"tool_calls": [head]})
+        arguments = str(call.get("arguments", ""))
+        for start in range(0, len(arguments), 8):
+            part = arguments[start : start + 8]
+            yield chunk({"tool_calls": [{"index": index, "function": {"arguments": part}}]})
+    yield chunk({}, _finish_reason(reply))
+    if include_usage:
+        yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+               "usage": _usage(reply, size)}  # fmt: skip
+
+
+def _completion(reply: dict[str, Any], model: str, size: int) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.get("text", "")}
+    if reply.get("reasoning_content"):
+        message["reasoning_content"] = reply["reasoning_content"]
+    if reply.get("tool_calls"):
+        message["tool_calls"] = [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", "")}}
+            for c in reply["tool_calls"]
+        ]
+    return {
+        "id": "chatcmpl-" + uuid.uuid4().hex[:16],
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(reply)}],
+        "usage": _usage(reply, size),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.gateway.scripted SCRIPT [--port N] [--cycle]`: serve a script until interrupted."""
+    import argparse
+
+    from .serving import serve_app
+
+    parser = argparse.ArgumentParser(description="the scripted OpenAI-compatible provider")
+    parser.add_argument("script", type=Path, help="JSON array or JSONL file of replies")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8479)
+    parser.add_argument("--cycle", action="store_true", help="start again from the first reply when used up")
+    args = parser.parse_args(argv)
+    provider = ScriptedProvider(args.script, cycle=args.cycle)
+    print(f"scripted provider on http://{args.host}:{args.port}/v1", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve_app(provider.app(), args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""The upstream provider: an OpenAI-compatible chat-completions endpoint reached with httpx.
+
+An `Upstream` knows its base URL, API key, model map and timeouts. `open()` sends the exact bytes it is given and
+returns the response with its body still unread (streamed or not), or raises a typed error that the gateway maps to
+an OpenAI-style error: `UPSTREAM_TIMEOUT` (504), `UPSTREAM_UNREACHABLE` (502), `UPSTREAM_ERROR` (the provider
+answered an error status). The client's own `Authorization` (the gateway's key) never goes upstream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+
+from sessionlog.errors import SessionLogError
+
+
+class UpstreamError(SessionLogError):
+    """The provider answered with an error status; `status` is what the gateway answers with."""
+
+    code = "UPSTREAM_ERROR"
+
+    def __init__(self, message: str, *, status: int = 502, upstream_status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.upstream_status = upstream_status
+
+
+class UpstreamTimeout(SessionLogError):
+    """The provider did not connect, answer or send the next bytes within the gateway's timeout."""
+
+    code = "UPSTREAM_TIMEOUT"
+
+
+class UpstreamUnreachable(SessionLogError):
+    """The provider could not be reached (connection refused, DNS, TLS) or dropped the connection."""
+
+    code = "UPSTREAM_UNREACHABLE"
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    """One route to a provider. `model_map` rewrites the logged model name into the provider's."""
+
+    name: str
+    base_url: str
+    api_key: str | None = field(default=None, repr=False)
+    model_map: Mapping[str, str] = field(default_factory=dict)
+    timeout_s: float = 300.0
+    connect_timeout_s: float = 10.0
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/") + "/chat/completions"
+
+
+def upstream_error_message(status: int, body: bytes) -> str:
+    """A readable summary of a provider's error body (OpenAI-style `{"error": {"message"}}` or anything else)."""
+    detail = body[:500].decode("utf-8", "replace").strip()
+    try:
+        parsed = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            detail = error["message"]
+        elif isinstance(error, str):
+            detail = error
+    return f"the upstream provider answered HTTP {status}: {detail or '(empty body)'}"
+
+
+def gateway_status_for(upstream_status: int) -> int:
+    """What the gateway answers for a provider error: a client error passes through (the request is at fault),
+    except an auth failure, which is the gateway's own configuration; a server error is a bad gateway."""
+    if upstream_status in (401, 403) or upstream_status >= 500:
+        return 502
+    return upstream_status
+
+
+class Upstream:
+    """Sends chat-completions requests to one provider."""
+
+    def __init__(self, config: UpstreamConfig, client: httpx.AsyncClient) -> None:
+        self.config = config
+        self._client = client
+        self._timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
+        headers = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+        if config.api_key:
+            headers["authorization"] = f"Bearer {config.api_key}"
+        self._headers = headers
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def forward_body(self, request: dict[str, Any], body: bytes) -> bytes:
+        """The bytes to send: the caller's own when the model needs no rewrite, else the request re-encoded."""
+        model = request.get("model")
+        mapped = self.config.model_map.get(model) if isinstance(model, str) else None
+        if mapped is None or mapped == model:
+            return body
+        return msgspec.json.encode({**request, "model": mapped})
+
+    async def open(self, body: bytes) -> httpx.Response:
+        """Send the request; the response's body is left unread. Raises `UPSTREAM_TIMEOUT` / `UPSTREAM_UNREACHABLE`."""
+        request = self._client.build_request(
+            "POST", self.config.url, content=body, headers=self._headers, timeout=self._timeout
+        )
+        try:
+            return await self._client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimeout(
+                f"the upstream provider {self.name!r} did not answer within {self.config.timeout_s}s "
+                f"({type(exc).__name__})"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise UpstreamUnreachable(
+                f"the upstream provider {self.name!r} cannot be reached: {type(exc).__name__}: {exc}"
+            ) from None
+
+
+def stream_error(exc: BaseException, name: str, timeout_s: float) -> SessionLogError:
+    """The typed error for a failure while reading a response body that had started."""
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout(f"the upstream provider {name!r} sent nothing for {timeout_s}s in the middle of a reply")
+    return UpstreamUnreachable(
+        f"the upstream provider {name!r} dropped the connection in the middle of a reply ({type(exc).__name__})"
+    )

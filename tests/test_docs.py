@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from conftest import REPO_ROOT
+
 from sessionlog.settings import settings_table_markdown
 
 

@@ -440,6 +440,8 @@ class Attempt:
         "finish",
         "first_seq",
         "header",
+        "last_index",
+        "last_parts",
         "matched",
         "message",
         "messages",
@@ -462,6 +464,8 @@ class Attempt:
         self.header = header
         self.matched = False  # a raw exchange was compared with it
         self.accounted = False
+        self.last_index = -1  # the block the last text delta went to, and its parts: the hot path of a stream
+        self.last_parts: list[str] = []
 
     def block(self, index: int, block_type: str) -> _Block:
         block = self.blocks.get(index)
@@ -528,6 +532,31 @@ def _clip(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _body(block: Any) -> str | None:
+    if isinstance(block, (TextBlock, ReasoningBlock)):
+        return block.text
+    if isinstance(block, ToolCallBlock):
+        return block.arguments
+    return None
+
+
+def _block_difference(message: Any, chunks: Any) -> str:
+    """How a message block differs from the chunks' block: where their texts part, with a little context."""
+    mine, theirs = _body(message), _body(chunks)
+    same_kind = type(message) is type(chunks)
+    if same_kind and isinstance(message, ToolCallBlock) and (message.id, message.name) != (chunks.id, chunks.name):
+        return f"the message has {_shown(message)}, the chunks {_shown(chunks)}"
+    if not same_kind or mine is None or theirs is None:
+        return f"the message has {_shown(message)}, the chunks {_shown(chunks)}"
+    at = next((k for k, (x, y) in enumerate(zip(mine, theirs, strict=False)) if x != y), min(len(mine), len(theirs)))
+    start = max(0, at - 20)
+    what = _shown(message).split(" ", 1)[0]
+    return (
+        f"{what} differs at character {at}: the message has {_clip(mine[start : at + 40])!r}, "
+        f"the chunks {_clip(theirs[start : at + 40])!r}"
+    )
+
+
 def _significant(blocks: Iterable[Any]) -> list[Any]:
     """Blocks that carry something: empty text and reasoning blocks are left out on both sides."""
     return [b for b in blocks if not (isinstance(b, (TextBlock, ReasoningBlock)) and not b.text)]
@@ -542,7 +571,7 @@ def content_difference(message: Sequence[Any], assembled: Sequence[Any], *, cut_
             return None
         for i, (a, b) in enumerate(zip(got, want, strict=False)):
             if a != b:
-                return f"block {i}: the message has {_shown(a)}, the chunks {_shown(b)}"
+                return f"block {i}: {_block_difference(a, b)}"
         return f"the message has {len(got)} blocks, the chunks {len(want)}"
     j = 0
     for i, block in enumerate(got):
@@ -551,7 +580,7 @@ def content_difference(message: Sequence[Any], assembled: Sequence[Any], *, cut_
         if j >= len(want):
             return f"block {i} ({_shown(block)}) is not in the chunks"
         if want[j] != block:
-            return f"block {i}: the message has {_shown(block)}, the chunks {_shown(want[j])}"
+            return f"block {i}: {_block_difference(block, want[j])}"
         j += 1
     rest = [b for b in want[j:] if not isinstance(b, ToolCallBlock)]
     if rest:
@@ -607,7 +636,6 @@ class SessionAuditor:
         self.model_aliases = dict(model_aliases or {})
         self.findings: list[Finding] = []
         self.steps: dict[tuple[int, int], _Step] = {}
-        self.chunks = 0
         self.events = 0
         self.raw_exchanges = 0
         self.raw_matched = 0
@@ -627,6 +655,21 @@ class SessionAuditor:
         self.events = event.seq + 1
         kind = event.type
         if kind == "assistant/chunk":
+            # The hot path, inline: a text delta to the block the previous delta went to.
+            data = event.data
+            attempt = self._attempt
+            chunk = data.chunk
+            if (
+                attempt is not None
+                and type(chunk) is TextDeltaChunk
+                and chunk.index == attempt.last_index
+                and not attempt.closed
+                and attempt.step == data.step
+                and attempt.turn == data.turn
+            ):
+                attempt.chunk_seqs.append(event.seq)
+                attempt.last_parts.append(chunk.text)
+                return
             self._chunk(event, session)
         elif kind == "assistant/message":
             if not event.is_replace:
@@ -646,7 +689,6 @@ class SessionAuditor:
             self.add(event, session)
 
     def _chunk(self, event: Event, session: Session) -> None:
-        self.chunks += 1
         data = event.data
         attempt = self._attempt
         if attempt is None or attempt.closed or attempt.step != data.step or attempt.turn != data.turn:
@@ -655,8 +697,12 @@ class SessionAuditor:
         chunk = data.chunk
         kind = type(chunk)
         if kind is TextDeltaChunk:
-            attempt.block(chunk.index, "text").parts.append(chunk.text)
-        elif kind is ReasoningDeltaChunk:
+            parts = attempt.block(chunk.index, "text").parts
+            parts.append(chunk.text)
+            attempt.last_index, attempt.last_parts = chunk.index, parts
+            return
+        attempt.last_index = -1
+        if kind is ReasoningDeltaChunk:
             attempt.block(chunk.index, "reasoning").parts.append(chunk.text)
         elif kind is ToolCallDeltaChunk:
             block = attempt.block(chunk.index, "tool-call")
@@ -809,6 +855,11 @@ class SessionAuditor:
         if counts is None:
             counts = self._by_model[model] = TokenCounts()
         return counts
+
+    @property
+    def chunks(self) -> int:
+        """Chunks applied so far."""
+        return sum(len(a.chunk_seqs) for s in self.steps.values() for a in s.attempts)
 
     def charged(self) -> Mapping[tuple[str, str], TokenCounts]:
         """The running totals per (provider, model), settled attempts only (what metrics export). Read only."""

@@ -73,7 +73,10 @@ def plan_fork(session: Session, boundary: object = None, *, now_ms: int) -> Fork
     prefix = [session[s].raw for s in range(last + 1)]
     if session[last].type != END_SEED:
         seed_style = session[last].has_seq
-        prefix.append(encode_new_event(END_SEED, EndSeedData(), seq=last + 1 if seed_style else None, time=now_ms))
+        # The seed takes the time of the last copied event, so the same fork always gives the same bytes and a
+        # retried fork continues what a dead one left (2026-12-02).
+        seed_time = next((t for s in range(last, -1, -1) if (t := session[s].time) is not None), now_ms)
+        prefix.append(encode_new_event(END_SEED, EndSeedData(), seq=last + 1 if seed_style else None, time=seed_time))
     return ForkPlan(events=tuple(prefix), seed_length=last + 1, boundary=last)
 
 

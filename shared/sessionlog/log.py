@@ -311,6 +311,14 @@ class SessionLog:
                     "import or fork"
                 )
             start, last_stream_seq = len(existing), orphan.stream_seq
+        limit_bytes = self.max_record_bytes
+        for seq, raw in enumerate(events):  # refuse before anything is sent: a refused write leaves nothing
+            if len(raw) + 2 > limit_bytes:
+                raise EventTooLarge(
+                    f"event is {len(raw)} bytes; a record carries at most {limit_bytes}: move its content to the "
+                    "blob store",
+                    seq=seq,
+                )
         publisher = RecordPublisher(self, session_id, epoch=0)
         batch: list[bytes] = []
         size = 2
@@ -319,12 +327,6 @@ class SessionLog:
         probe = Session(events[:start]) if start else Session()
         for seq in range(start, len(events)):
             raw = events[seq]
-            if len(raw) + 3 > limit_bytes:
-                raise EventTooLarge(
-                    f"event is {len(raw)} bytes; a record carries at most {limit_bytes}: move its content to the "
-                    "blob store",
-                    seq=seq,
-                )
             if batch and (size + len(raw) + 1 > limit_bytes or len(batch) >= limit_events):
                 last_stream_seq = await publisher.publish(batch, first, last_stream_seq, probe.open_turn or 0)
                 first, batch, size = seq, [], 2
@@ -417,11 +419,22 @@ class _LeaseKeeper:
             try:
                 self.lease = await self._leases.refresh(self.lease)
             except LeaseLost as err:
+                # A refresh whose ack was lost may still have landed: then the lease is ours at a newer revision.
+                current = await self._current()
+                if current is not None and current.holder == self.lease.holder and current.epoch == self.lease.epoch:
+                    self.lease = current
+                    continue
                 for callback in self._callbacks:
                     callback(err.message)
                 return
             except Exception as err:  # a transient failure: try again; the TTL decides whether it is lost
                 log.warning("lease refresh for %s failed: %s", self.lease.session_id, err)
+
+    async def _current(self) -> Lease | None:
+        try:
+            return await self._leases.current(self.lease.session_id)
+        except Exception:
+            return None
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -475,7 +488,7 @@ class RecordPublisher:
                 reply = await self._log.nc.request(
                     self._subject, payload, timeout=min(attempt_timeout, remaining), headers=headers
                 )
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.OutboundBufferLimitError):
                 timed_out = True
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.5)
@@ -585,7 +598,7 @@ class SessionWriter:
     async def append(self, raw: bytes) -> Event:
         """Validate one event and queue it; raises the SPEC error and queues nothing when it is refused."""
         self._raise_if_failed()
-        if len(raw) + 3 > self._max_bytes:
+        if len(raw) + 2 > self._max_bytes:
             raise EventTooLarge(
                 f"event is {len(raw)} bytes; a record carries at most {self._max_bytes}: move large content to the "
                 "blob store (SessionLog.put_blob) and reference it by id",
@@ -719,6 +732,15 @@ class SessionWriter:
                     )
                 except SessionLogError as err:
                     self._fence(err)
+                    return
+                except Exception as err:  # a client-side failure (buffer full, connection closed): not written
+                    self._fence(
+                        LogUnavailable(
+                            f"session {self.session_id}: publishing seqs from {first} failed ({type(err).__name__}: "
+                            f"{err}); nothing after seq {first - 1} is reported written",
+                            seq=first,
+                        )
+                    )
                     return
                 del self._pending[: len(batch)]
                 del self._pending_turns[: len(batch)]

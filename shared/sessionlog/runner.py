@@ -306,26 +306,39 @@ class ProjectionRunner(Generic[S]):
             )
             return
         state = self.states.get(session_id)
-        if state is None:
-            if record.first_seq == 0:
-                state = self.projection.new_state(session_id)
-                if self._apply_to(state, record):
-                    self._store(state)
-                    self._resolve(state)
-                return
-            await self._load(session_id)  # the stream holds this record too: loading covers it
-            return
-        if record.stream_seq <= state.last_stream_seq:
+        if state is not None and record.stream_seq <= state.last_stream_seq:
             return  # already applied (a redelivery, or the load that got here first)
-        if record.first_seq != state.next_seq:
-            self._forget(session_id)  # the state does not continue into this record: rebuild it
-            await self._load(session_id)
+        if state is not None and record.first_seq == state.next_seq:
+            if self._apply_to(state, record):
+                self._touch(session_id)
+                self._resolve(state)
+            else:
+                self._forget(session_id)
             return
-        if self._apply_to(state, record):
-            self._touch(session_id)
-            self._resolve(state)
-        else:
+        if state is None and record.first_seq == 0 and session_id not in self._loading:
+            state = self.projection.new_state(session_id)
+            if self._apply_to(state, record):
+                self._store(state)
+                self._resolve(state)
+            return
+        # No state, or one that does not continue into this record: rebuild it from the stream, which holds this
+        # record too. A load already in flight may have read the stream before this record landed, so after it
+        # the record is applied (or the session reloaded) if the state still does not cover it.
+        if state is not None:
             self._forget(session_id)
+        try:
+            state = await self._load(session_id)
+            if state is not None and state.last_stream_seq < record.stream_seq:
+                if record.first_seq == state.next_seq:
+                    if self._apply_to(state, record):
+                        self._resolve(state)
+                    else:
+                        self._forget(session_id)
+                else:
+                    self._forget(session_id)
+                    await self._load(session_id)
+        except SessionLogError as err:  # the stream itself does not read as a log: quarantine, go on
+            self._quarantine(record.stream_seq, session_id, f"reloading the session failed: {err.code}: {err.message}")
 
     def _resolve(self, state: S) -> None:
         waiters = self._waiters.get(state.session_id)

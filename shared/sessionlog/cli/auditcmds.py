@@ -120,7 +120,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     ledger = report.get("ledger") or {}
     table = Table(title=f"token ledger of {report.get('session')}")
     for column in ("provider", "model", "requests", "input", "output", "cache read", "cache write", "reasoning"):
-        table.add_column(column, justify="right" if column not in ("provider", "model") else "left")
+        numeric = column not in ("provider", "model")
+        table.add_column(column, justify="right" if numeric else "left", overflow="fold")
 
     def row(provider: str, model: str, tokens: dict[str, int]) -> list[str]:
         keys = (
@@ -146,7 +147,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         return
     found = Table(title=f"{len(findings)} findings")
     for column in ("code", "seq", "step", "what"):
-        found.add_column(column)
+        found.add_column(column, overflow="fold")
     for finding in findings:
         where = f"{finding['turn']}.{finding['step']}" if finding.get("turn") is not None else ""
         found.add_row(finding["code"], str(finding.get("seq", "")), where, finding["message"])

@@ -1,0 +1,220 @@
+"""The JetStream log's speed, against baselines measured in the same run on the same server.
+
+Writing: (a) raw nats-py `js.publish` of one event per message (the baseline: per-publish latency p50/p99),
+(b) the writer with one event per flush (latency p50/p99; goal: within 1.25x of raw), (c) the writer streaming
+chunks with a flush every 50 events (events/s; goal: at least 10x raw events/s).
+
+Reading a 100,000-event session: `SessionLog.load` (records, digests, full validation) and `reader.events` (records
+and digests only) against the floor: the raw batch direct gets of the same records (`StreamReader.direct_batch`
+paging) plus one msgspec decode of each event (goal: load at least 80% of the floor rate).
+
+Prints one JSON document. Ratios are within one run; absolute figures depend on the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from sessionlog.embedded import EmbeddedServer
+from sessionlog.events import encode_new_event
+from sessionlog.log import SessionLog
+from sessionlog.record import events_filter, in_subject
+from sessionlog.settings import Settings
+
+from .synth import synthetic_log
+
+PUBLISHES = 1500  # (a) and (b): one event per acknowledged publish
+STREAMED = 30_000  # (c): chunks, flushed every FLUSH_EVERY
+FLUSH_EVERY = 50
+READ_EVENTS = 100_000
+READ_ROUNDS = 3
+
+_payloads = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+class _Envelope(msgspec.Struct):
+    """The least a reader decodes of an event: its envelope, with `data` left as raw bytes."""
+
+    type: str
+    data: msgspec.Raw
+    seq: int | None = None
+    time: int | None = None
+
+
+_envelope = msgspec.json.Decoder(_Envelope)
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    cuts = statistics.quantiles(samples, n=100, method="inclusive")
+    return {"p50_ms": cuts[49] * 1e3, "p99_ms": cuts[98] * 1e3, "mean_ms": statistics.fmean(samples) * 1e3}
+
+
+def _chunk(turn: int, seq: int | None) -> bytes:
+    data = {"turn": turn, "step": 1, "chunk": {"type": "text-delta", "index": 0, "text": "tok "}}
+    return encode_new_event("assistant/chunk", data, seq=seq, time=1_780_000_000_000)
+
+
+async def _timed(count: int, one: Callable[[int], Awaitable[Any]]) -> list[float]:
+    samples = []
+    for i in range(count):
+        start = time.perf_counter()
+        await one(i)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+async def raw_publish(log: SessionLog) -> dict[str, float]:
+    """(a) one event per `js.publish`, each awaited for its acknowledgement."""
+    subject = in_subject("bench-raw")
+    payload = _chunk(1, 0)
+    await _timed(100, lambda i: log.js.publish(subject, payload))  # warm up
+    samples = await _timed(PUBLISHES, lambda i: log.js.publish(subject, payload))
+    return {"publishes": PUBLISHES, "events_per_s": len(samples) / sum(samples), **_percentiles(samples)}
+
+
+async def writer_flush_each(log: SessionLog) -> dict[str, float]:
+    """(b) the writer, one event appended and flushed at a time: validation, record, OCC headers, ack."""
+    writer = await log.create("bench-flush-each")
+    await writer.emit("turn/start", {"turn": 1})
+    await writer.emit("step/start", {"turn": 1, "step": 1})
+    await writer.flush()
+
+    async def one(i: int) -> None:
+        await writer.append(_chunk(1, writer.next_seq))
+        await writer.flush()
+
+    await _timed(100, one)  # warm up
+    samples = await _timed(PUBLISHES, one)
+    await writer.close()
+    return {"flushes": PUBLISHES, "events_per_s": len(samples) / sum(samples), **_percentiles(samples)}
+
+
+async def writer_streaming(log: SessionLog) -> dict[str, float]:
+    """(c) a stream of chunks as a model produces them, flushed every FLUSH_EVERY events."""
+    writer = await log.create("bench-streaming")
+    await writer.emit("turn/start", {"turn": 1})
+    await writer.emit("step/start", {"turn": 1, "step": 1})
+    await writer.flush()
+    gc.collect()
+    start = time.perf_counter()
+    for i in range(STREAMED):
+        await writer.append(_chunk(1, writer.next_seq))
+        if (i + 1) % FLUSH_EVERY == 0:
+            await writer.flush()
+    await writer.flush()
+    elapsed = time.perf_counter() - start
+    records = await log.reader.records("bench-streaming")
+    await writer.close()
+    return {
+        "events": STREAMED,
+        "events_per_s": STREAMED / elapsed,
+        "records": len(records),
+        "records_per_s": len(records) / elapsed,
+    }
+
+
+async def reading(log: SessionLog) -> dict[str, Any]:
+    """A 100,000-event session read three ways; the best of READ_ROUNDS rounds each."""
+    sid = "bench-read"
+    events = synthetic_log(READ_EVENTS)[:READ_EVENTS]
+    await log._write_all(sid, events, None)
+    await log._publish_header(
+        sid, b'{"type":"session","version":0,"id":"bench-read","createdAt":1,"delegationDepth":0}'
+    )
+    subject = events_filter(sid)
+
+    async def floor() -> int:
+        count, start = 0, 1
+        while True:
+            batch, pending = await log.reader.direct_batch(subject, start)
+            for message in batch:
+                for raw in _payloads.decode(message.data):
+                    _envelope.decode(raw)
+                    count += 1
+            if not batch or pending == 0:
+                return count
+            start = batch[-1].stream_seq + 1
+
+    async def load() -> int:
+        _, session, _ = await log.load(sid)
+        return len(session)
+
+    async def reader_events() -> int:
+        return len(await log.reader.events(sid))
+
+    rates: dict[str, float] = {}
+    for name, read in (("floor", floor), ("load", load), ("reader_events", reader_events)):
+        best = 0.0
+        for _ in range(READ_ROUNDS):
+            gc.collect()
+            start = time.perf_counter()
+            count = await read()
+            best = max(best, count / (time.perf_counter() - start))
+            assert count == READ_EVENTS, (name, count)
+        rates[name] = best
+    records = await log.reader.records(sid)
+    return {
+        "events": READ_EVENTS,
+        "records": len(records),
+        "bytes": sum(r.payload_size for r in records),
+        "floor_events_per_s": rates["floor"],
+        "load_events_per_s": rates["load"],
+        "reader_events_per_s": rates["reader_events"],
+    }
+
+
+async def run(url: str) -> dict[str, Any]:
+    log = await SessionLog.connect(Settings(_env_file=None, nats_url=url))
+    try:
+        raw = await raw_publish(log)
+        each = await writer_flush_each(log)
+        streaming = await writer_streaming(log)
+        read = await reading(log)
+    finally:
+        await log.close()
+    return {
+        "benchmark": "log",
+        "raw_publish": raw,
+        "writer_flush_each": each,
+        "writer_streaming": streaming,
+        "read_100k": read,
+        "ratios": {
+            "flush_each_p50_over_raw_p50": {"value": each["p50_ms"] / raw["p50_ms"], "goal": "<= 1.25"},
+            "flush_each_p99_over_raw_p99": {"value": each["p99_ms"] / raw["p99_ms"], "goal": "<= 1.25"},
+            "streaming_over_raw_events_per_s": {
+                "value": streaming["events_per_s"] / raw["events_per_s"],
+                "goal": ">= 10",
+            },
+            "load_over_floor": {"value": read["load_events_per_s"] / read["floor_events_per_s"], "goal": ">= 0.8"},
+            "reader_events_over_floor": {
+                "value": read["reader_events_per_s"] / read["floor_events_per_s"],
+                "goal": ">= 0.8",
+            },
+        },
+    }
+
+
+def main() -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="sessionlog-bench-") as folder:
+        server = EmbeddedServer(Path(folder) / "nats", server_name="bench")
+        server.start()
+        try:
+            return asyncio.run(run(server.url))
+        finally:
+            server.kill()
+
+
+if __name__ == "__main__":
+    json.dump(main(), sys.stdout, indent=2)
+    sys.stdout.write("\n")

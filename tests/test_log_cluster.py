@@ -1,0 +1,191 @@
+"""The writer on a 3-node JetStream cluster with R3 streams: what it promises when nodes die.
+
+Losing quorum: a flush is LOG_UNAVAILABLE within the request timeout and nothing unacknowledged is reported
+durable; after the cluster recovers, every acknowledged event is there. Losing the stream leader only: the writer
+retries within its budget until a new leader answers, and nothing is doubled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from natsfixtures import log_settings, new_session_id, start_cluster
+
+from sessionlog.embedded import Cluster
+from sessionlog.errors import LogUnavailable
+from sessionlog.events import Event
+from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.record import Record
+
+pytest_plugins = ["natsfixtures"]
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
+
+RECOVERY_S = 45.0  # the bound of waiting for a restarted cluster to serve the stream again
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A cluster of the test's own: these tests kill nodes."""
+    nodes = start_cluster(tmp_path / "cluster")
+    try:
+        yield nodes
+    finally:
+        for server in nodes.servers:
+            server.kill()
+
+
+class Logs:
+    """Connections and writers a test opened; stopped and closed when it ends, whatever state the cluster is in."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._logs: list[SessionLog] = []
+        self._writers: list[SessionWriter] = []
+
+    async def connect(self, **overrides: Any) -> SessionLog:
+        log = await SessionLog.connect(log_settings(self.url, replicas=3, **overrides))
+        self._logs.append(log)
+        return log
+
+    def keep(self, writer: SessionWriter) -> SessionWriter:
+        self._writers.append(writer)
+        return writer
+
+    async def aclose(self) -> None:
+        for writer in self._writers:
+            await writer.abandon()
+        for log in self._logs:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(log.close(), 5)
+            if not log.nc.is_closed:
+                with contextlib.suppress(Exception):
+                    await log.nc.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def logs(cluster: Cluster) -> AsyncIterator[Logs]:
+    opened = Logs(cluster.url)
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+async def turn(writer: SessionWriter, text: str) -> list[bytes]:
+    number = writer.session.last_turn + 1
+    message = {
+        "id": f"u{number}",
+        "role": "user",
+        "source": {"kind": "user"},
+        "content": [{"type": "text", "text": text}],
+    }
+    events: list[Event] = [
+        await writer.emit("turn/start", {"turn": number}),
+        await writer.emit("user/message", message, surface_op="append"),
+        await writer.emit("turn/end", {"turn": number, "reason": {"kind": "completed"}}),
+    ]
+    return [e.raw for e in events]
+
+
+def connected_node(cluster: Cluster, log: SessionLog) -> int:
+    url = log.nc.connected_url
+    assert url is not None
+    return next(i for i, server in enumerate(cluster.servers) if server.port == url.port)
+
+
+async def stream_leader(cluster: Cluster, log: SessionLog) -> int:
+    info = await log.js.stream_info(log.settings.stream)
+    assert info.cluster is not None and info.cluster.leader
+    return next(i for i, server in enumerate(cluster.servers) if server.server_name == info.cluster.leader)
+
+
+async def records_once_recovered(log: SessionLog, session_id: str) -> list[Record]:
+    """The session's records from the leader, once the stream answers again."""
+    deadline = time.monotonic() + RECOVERY_S
+    while True:
+        try:
+            last = await log.reader.leader_get(next_by_subj=f"sessionlog.events.*.{session_id}")
+            if last is not None:
+                return await log.reader.records(session_id)
+        except Exception:  # no leader yet, or the connection still reconnecting
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"the cluster did not serve the stream again within {RECOVERY_S}s")
+        await asyncio.sleep(0.25)
+
+
+def assert_contiguous(records: list[Record]) -> None:
+    expected = 0
+    for record in records:
+        assert record.first_seq == expected, f"record at stream seq {record.stream_seq} starts at {record.first_seq}"
+        expected = record.next_seq
+
+
+async def test_losing_quorum_is_log_unavailable_and_every_acknowledged_event_survives(
+    cluster: Cluster, logs: Logs
+) -> None:
+    timeout = 3.0
+    log = await logs.connect(request_timeout_s=timeout, lease_ttl_s=60.0)
+    sid = new_session_id()
+    writer = logs.keep(await log.create(sid))
+    acknowledged = await turn(writer, "Before.") + await turn(writer, "Still fine.")
+    durable = await writer.flush()
+    assert durable == len(acknowledged) - 1
+
+    survivor = connected_node(cluster, log)
+    doomed = [i for i in range(len(cluster)) if i != survivor]
+    for i in doomed:
+        cluster.kill(i)
+
+    unacknowledged = await turn(writer, "Nobody can commit this.")
+    started = time.monotonic()
+    with pytest.raises(LogUnavailable) as refused:
+        await asyncio.wait_for(writer.flush(), timeout + 10)
+    elapsed = time.monotonic() - started
+    assert refused.value.code == "LOG_UNAVAILABLE"
+    assert elapsed < timeout + 1.5, f"LOG_UNAVAILABLE after {elapsed:.1f}s; the request timeout is {timeout}s"
+    assert writer.durable_seq == durable, "nothing unacknowledged is reported durable"
+    await writer.abandon()
+
+    for i in doomed:
+        await asyncio.to_thread(cluster.restart, i)
+    reader = await logs.connect(request_timeout_s=5.0)
+    records = await records_once_recovered(reader, sid)
+    assert_contiguous(records)
+    stored = [e for r in records for e in r.events]
+    assert stored[: len(acknowledged)] == acknowledged, "every acknowledged event is there, in order"
+    assert stored[len(acknowledged) :] in ([], unacknowledged), "the unacknowledged record landed whole or not at all"
+
+
+async def test_losing_the_stream_leader_is_survived_by_retrying_and_nothing_is_doubled(
+    cluster: Cluster, logs: Logs
+) -> None:
+    timeout = 25.0  # the budget must cover a leader election after a crash (followers wait out their timeouts)
+    log = await logs.connect(request_timeout_s=timeout, lease_ttl_s=60.0)
+    sid = new_session_id()
+    writer = logs.keep(await log.create(sid))
+    written = await turn(writer, "Before.")
+    await writer.flush()
+
+    leader = await stream_leader(cluster, log)
+    cluster.kill(leader)
+    written += await turn(writer, "During the election.")
+    started = time.monotonic()
+    assert await asyncio.wait_for(writer.flush(), timeout + 10) == len(written) - 1
+    elapsed = time.monotonic() - started
+    assert elapsed < timeout
+
+    written += await turn(writer, "After.")
+    await writer.flush()
+    records = await log.reader.records(sid, min_stream_seq=writer.last_stream_seq)
+    assert_contiguous(records)
+    assert len({r.first_seq for r in records}) == len(records)
+    assert [e for r in records for e in r.events] == written
+    await writer.close()

@@ -1,0 +1,751 @@
+"""The JetStream writer and reader (log.py, reader.py) against real nats-server processes.
+
+What a writer promises: a refused event never reaches the stream; `flush()` returns only when JetStream has
+acknowledged everything queued; records are contiguous, bounded in size and self-describing; two writers can
+never interleave (lease first, optimistic concurrency underneath); a retried publish never doubles a record; and
+nothing is reported durable that was not acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_asyncio
+from natsfixtures import log_settings, new_session_id
+
+from sessionlog.embedded import EmbeddedServer
+from sessionlog.errors import LogUnavailable, SessionLogError
+from sessionlog.events import Event, encode_new_event
+from sessionlog.jsonl import decode_header
+from sessionlog.log import SessionLog, SessionWriter, _Publisher
+from sessionlog.record import H_COUNT, H_DIGEST, H_FIRST_SEQ, H_FORMAT, H_WRITER, Record, events_filter
+from sessionlog.settings import Settings
+
+pytest_plugins = ["natsfixtures"]
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
+
+LEASE_TTL_S = 1.0  # JetStream's per-message TTL counts whole seconds: 1 s is the shortest lease there is
+WAIT_S = 10.0  # the bound of every wait for something to happen on the server
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+class Logs:
+    """The connections and writers one test opened; at its end every writer is stopped and every connection
+    closed, whether or not its server still runs."""
+
+    def __init__(self) -> None:
+        self._logs: list[SessionLog] = []
+        self._writers: list[SessionWriter] = []
+
+    async def connect(self, url: str, **overrides: Any) -> SessionLog:
+        settings = log_settings(url, **{"lease_ttl_s": LEASE_TTL_S, **overrides})
+        log = await SessionLog.connect(settings)
+        self._logs.append(log)
+        return log
+
+    def keep(self, writer: SessionWriter) -> SessionWriter:
+        self._writers.append(writer)
+        return writer
+
+    async def create(self, log: SessionLog, session_id: str | None = None, **kwargs: Any) -> SessionWriter:
+        return self.keep(await log.create(session_id or new_session_id(), **kwargs))
+
+    async def aclose(self) -> None:
+        for writer in self._writers:
+            await writer.abandon()  # idempotent; a lease left behind expires on its own
+        for log in self._logs:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(log.close(), 5)
+            if not log.nc.is_closed:
+                with contextlib.suppress(Exception):
+                    await log.nc.close()
+            await _reconnect_stopped(log)
+
+
+async def _reconnect_stopped(log: SessionLog) -> None:
+    """nats-py's reconnect task can swallow the cancel of `close()` (asyncio.wait_for on Python 3.11) and then
+    retry a dead server forever, which would hang the module loop's shutdown: cancel it until it is gone."""
+    task = getattr(log.nc, "_reconnection_task", None)
+    for _ in range(100):
+        if task is None or task.done():
+            return
+        task.cancel()
+        await asyncio.sleep(0.02)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def logs() -> AsyncIterator[Logs]:
+    opened = Logs()
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+@pytest.fixture
+def url(provisioned: Settings) -> str:
+    assert provisioned.nats_url is not None
+    return provisioned.nats_url
+
+
+def user_message(text: str, msg_id: str) -> dict[str, Any]:
+    return {"id": msg_id, "role": "user", "source": {"kind": "user"}, "content": [{"type": "text", "text": text}]}
+
+
+def assistant_message(turn: int, step: int, blocks: list[dict[str, Any]], msg_id: str) -> dict[str, Any]:
+    message = {
+        "id": msg_id,
+        "role": "assistant",
+        "source": {"kind": "model", "provider": "p", "model": "m"},
+        "content": blocks,
+    }
+    return {"turn": turn, "step": step, "message": message}
+
+
+def tool_result(turn: int, step: int, call_id: str, text: str) -> dict[str, Any]:
+    block = {"type": "tool-result", "toolCallId": call_id, "content": [{"type": "text", "text": text}]}
+    message = {"id": f"r-{call_id}", "role": "user", "source": {"kind": "tool", "callId": call_id}, "content": [block]}
+    return {"turn": turn, "step": step, "message": message}
+
+
+async def closed_turn(writer: SessionWriter, text: str = "Hello.") -> list[Event]:
+    """One whole turn: a user message, a step that answers with text."""
+    turn = writer.session.last_turn + 1
+    return [
+        await writer.emit("turn/start", {"turn": turn}),
+        await writer.emit("user/message", user_message(text, f"u{turn}"), surface_op="append"),
+        await writer.emit("step/start", {"turn": turn, "step": 1}),
+        await writer.emit(
+            "assistant/message",
+            assistant_message(turn, 1, [{"type": "text", "text": f"answer {turn}"}], f"a{turn}"),
+            surface_op="append",
+            source_event_seqs=[],
+        ),
+        await writer.emit("step/end", {"turn": turn, "step": 1}),
+        await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}}),
+    ]
+
+
+async def tool_step(writer: SessionWriter, call_id: str) -> dict[str, int]:
+    """In the open turn: a step whose assistant message calls one tool, the call, its result. Returns seqs."""
+    turn = writer.session.open_turn
+    assert turn is not None
+    step = writer.session.last_step + 1
+    seqs = {"step": (await writer.emit("step/start", {"turn": turn, "step": step})).seq}
+    call = {"type": "tool-call", "id": call_id, "name": "read", "arguments": "{}"}
+    seqs["message"] = (
+        await writer.emit(
+            "assistant/message",
+            assistant_message(turn, step, [call], f"a-{call_id}"),
+            surface_op="append",
+            source_event_seqs=[],
+        )
+    ).seq
+    call_data = {"turn": turn, "step": step, "callId": call_id, "name": "read", "arguments": "{}"}
+    seqs["call"] = (await writer.emit("tool/call", call_data)).seq
+    seqs["result"] = (
+        await writer.emit(
+            "tool/result",
+            tool_result(turn, step, call_id, f"contents of {call_id}"),
+            surface_op="append",
+            source_event_seqs=[seqs["call"]],
+        )
+    ).seq
+    await writer.emit("step/end", {"turn": turn, "step": step})
+    return seqs
+
+
+def raws(events: list[Event]) -> list[bytes]:
+    return [e.raw for e in events]
+
+
+async def eventually(condition: Any, what: str, timeout: float = WAIT_S) -> None:
+    """Poll an async condition until it holds, or fail saying what never happened."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+async def freeze(pid: int) -> None:
+    """SIGSTOP a server and wait until the kernel reports every one of its threads stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        states = [
+            (task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in Path(f"/proc/{pid}/task").iterdir()
+        ]
+        if all(state in ("T", "t") for state in states):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"nats-server {pid} not stopped after SIGSTOP: thread states {states}")
+        await asyncio.sleep(0.005)
+
+
+def assert_contiguous(records: list[Record]) -> None:
+    """Each event exactly once: records start at seq 0 and continue each other with no gap or repeat."""
+    expected = 0
+    for record in records:
+        assert record.first_seq == expected, f"record at stream seq {record.stream_seq} starts at {record.first_seq}"
+        expected = record.next_seq
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+async def test_flush_returns_the_last_seq_and_load_gives_back_the_same_bytes_in_order(logs: Logs, url: str) -> None:
+    log = await logs.connect(url)
+    sid = new_session_id()
+    writer = await logs.create(log, sid, cwd="/work")
+    assert writer.durable_seq == -1
+    assert await writer.flush() == -1  # nothing queued: nothing to wait for
+
+    written = await closed_turn(writer) + await closed_turn(writer, "Again.")
+    assert await writer.flush() == len(written) - 1 == writer.durable_seq
+
+    header, session, last = await log.load(sid)
+    assert [e.raw for e in session] == raws(written)
+    assert [e.seq for e in session] == list(range(len(written)))
+    assert decode_header(header).id == sid and decode_header(header).cwd == "/work"
+    assert last is not None and last.next_seq == len(written) and last.stream_seq == writer.last_stream_seq
+    assert await log.reader.events(sid) == raws(written)
+
+    more = await closed_turn(writer, "Third.")
+    await writer.close()
+    assert await log.reader.events(sid) == raws(written + more), "close() flushes what is queued"
+
+
+@pytest.mark.parametrize(
+    ("code", "event"),
+    [
+        ("STRUCTURE_INVALID", {"type": "step/start", "data": {"turn": 2, "step": 1}}),
+        ("SEQ_NOT_CONTIGUOUS", {"seq": 99, "type": "todo/write", "data": {"todos": []}}),
+        ("UNKNOWN_EVENT_TYPE", {"type": "vendor/secret-state", "data": {}}),
+        ("SURFACE_MARKER_REQUIRED", {"type": "user/message", "data": user_message("x", "m")}),
+        ("SURFACE_MARKER_FORBIDDEN", {"type": "todo/write", "data": {"todos": []}, "surfaceOp": "append"}),
+        ("INVALID_SURFACE_OP", {"type": "user/message", "data": user_message("x", "m"), "surfaceOp": "prepend"}),
+        ("INVALID_EVENT", {"type": "todo/write", "data": {"todos": []}, "extra": 1}),
+        ("INVALID_EVENT", {"type": "turn/end", "data": {"turn": "one"}}),
+    ],
+)
+async def test_a_refused_event_raises_its_code_and_never_reaches_the_stream(
+    logs: Logs, url: str, code: str, event: dict[str, Any]
+) -> None:
+    log = await logs.connect(url)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    good = [await writer.emit("turn/start", {"turn": 1})]
+    raw = msgspec.json.encode({"seq": writer.next_seq, "time": 1, **event})
+
+    with pytest.raises(SessionLogError) as refused:
+        await writer.append(raw)
+    assert refused.value.code == code
+    assert writer.next_seq == len(good), "a refused append queues nothing"
+
+    good.append(await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}}))
+    assert await writer.flush() == 1
+    assert await log.reader.events(sid) == raws(good), "the stream holds exactly the accepted events"
+
+
+async def test_a_bad_session_id_is_refused_before_anything_is_written(logs: Logs, url: str) -> None:
+    log = await logs.connect(url)
+    for bad in ("", "a.b", "a b", "a*", ">", "sessions.>", "x" * 129, "ünï", "a/b"):
+        with pytest.raises(SessionLogError) as refused:
+            await log.create(bad)
+        assert refused.value.code == "INVALID_SESSION_ID", bad
+    longest = "x" * 120 + new_session_id()[-8:]
+    writer = await logs.create(log, longest)
+    assert (await log.header(longest)) is not None, "128 characters is still a valid id"
+    await writer.close()
+
+
+async def test_a_second_create_of_the_same_id_is_refused_and_the_first_session_is_untouched(
+    logs: Logs, url: str
+) -> None:
+    log = await logs.connect(url)
+    other = await logs.connect(url)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    written = await closed_turn(writer)
+    await writer.flush()
+    header = await log.header(sid)
+
+    for who in (log, other):
+        with pytest.raises(SessionLogError) as refused:
+            await who.create(sid)
+        assert refused.value.code == "SESSION_ALREADY_EXISTS"
+    await writer.close()
+    with pytest.raises(SessionLogError) as refused:
+        await other.create(sid)  # no live writer any more: the id is still taken
+    assert refused.value.code == "SESSION_ALREADY_EXISTS"
+    assert await log.header(sid) == header
+    assert await log.reader.events(sid) == raws(written)
+
+
+async def test_an_event_bigger_than_a_record_is_refused_and_nothing_is_queued(logs: Logs, url: str) -> None:
+    log = await logs.connect(url, write_max_bytes=4096)
+    bound = log.max_record_bytes
+    assert bound < 4096
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    good = [await writer.emit("turn/start", {"turn": 1})]
+
+    def sized(total: int) -> bytes:
+        """A user/message event of exactly `total` bytes."""
+        filler = encode_new_event(
+            "user/message", user_message("", "m"), seq=writer.next_seq, time=1, surface_op="append"
+        )
+        return encode_new_event(
+            "user/message",
+            user_message("x" * (total - len(filler)), "m"),
+            seq=writer.next_seq,
+            time=1,
+            surface_op="append",
+        )
+
+    too_big = sized(bound)  # its record would be `bound` + 2 bytes of framing
+    assert len(too_big) == bound
+    with pytest.raises(SessionLogError) as refused:
+        await writer.append(too_big)
+    assert refused.value.code == "EVENT_TOO_LARGE"
+    assert refused.value.seq == 1
+    assert writer.next_seq == 1
+
+    fits = sized(bound - 100)
+    good.append(await writer.append(fits))
+    assert await writer.flush() == 1
+    records = await log.reader.records(sid)
+    assert [e for r in records for e in r.events] == raws(good)
+    assert all(r.payload_size <= bound for r in records)
+
+
+async def test_the_largest_event_a_record_can_carry_is_accepted(logs: Logs, url: str) -> None:
+    log = await logs.connect(url, write_max_bytes=4096)
+    bound = log.max_record_bytes
+    writer = await logs.create(log)
+    await writer.emit("turn/start", {"turn": 1})
+    filler = encode_new_event("user/message", user_message("", "m"), seq=1, time=1, surface_op="append")
+    text = "x" * (bound - 2 - len(filler))
+    largest = encode_new_event("user/message", user_message(text, "m"), seq=1, time=1, surface_op="append")
+    assert len(b"[" + largest + b"]") == bound
+    await writer.append(largest)
+    assert await writer.flush() == 1
+    assert max(r.payload_size for r in await log.reader.records(writer.session_id)) == bound
+
+
+async def test_a_batch_past_the_size_bound_is_split_into_records_that_each_stay_under_it(logs: Logs, url: str) -> None:
+    log = await logs.connect(url, write_max_bytes=4096, write_window_ms=50)
+    bound = log.max_record_bytes
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    written = [await writer.emit("turn/start", {"turn": 1})]
+    for i in range(120):
+        written.append(
+            await writer.emit("todo/write", {"todos": [{"content": f"item {i} " + "y" * 60, "status": "x"}]})
+        )
+    written.append(await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}}))
+    total = sum(len(e.raw) for e in written)
+    assert await writer.flush() == len(written) - 1
+
+    records = await log.reader.records(sid)
+    assert len(records) >= total // bound + 1 > 1
+    assert all(r.payload_size <= bound for r in records)
+    assert [e for r in records for e in r.events] == raws(written)
+    assert_contiguous(records)
+
+    stored, _ = await log.reader.direct_batch(events_filter(sid), 1)
+    assert len(stored) == len(records)
+    for message, record in zip(stored, records, strict=True):
+        assert message.headers[H_FORMAT] == "1"
+        assert int(message.headers[H_FIRST_SEQ]) == record.first_seq
+        assert int(message.headers[H_COUNT]) == record.count == len(msgspec.json.decode(message.data))
+        assert message.headers[H_DIGEST] == hashlib.sha256(message.data).hexdigest()
+        assert int(message.headers[H_WRITER]) == writer.epoch
+    await writer.close()
+
+
+async def test_a_record_never_carries_more_than_write_max_events(logs: Logs, url: str) -> None:
+    log = await logs.connect(url, write_max_events=7, write_window_ms=50)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    written = [await writer.emit("turn/start", {"turn": 1})]
+    written += [await writer.emit("todo/write", {"todos": []}) for _ in range(40)]
+    await writer.flush()
+    records = await log.reader.records(sid)
+    assert [r.count for r in records] == [7] * 5 + [6]
+    assert [e for r in records for e in r.events] == raws(written)
+    await writer.close()
+
+
+async def test_write_behind_publishes_without_a_flush_and_batches_many_events_per_record(logs: Logs, url: str) -> None:
+    log = await logs.connect(url, write_window_ms=20)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    written = [await writer.emit("turn/start", {"turn": 1})]
+    written += [await writer.emit("todo/write", {"todos": [{"content": str(i), "status": "x"}]}) for i in range(99)]
+
+    async def all_durable() -> bool:
+        return writer.durable_seq == 99
+
+    await eventually(all_durable, "the write-behind window publishing 100 queued events without a flush")
+    records = await log.reader.records(sid)
+    assert [e for r in records for e in r.events] == raws(written)
+    assert len(records) < len(written) / 10, f"{len(records)} records for 100 events: the window did not batch"
+    await writer.close()
+
+
+# ---------------------------------------------------------------------------------------------- one writer
+
+
+async def test_a_second_writer_on_a_live_session_gets_lease_held(logs: Logs, url: str) -> None:
+    log = await logs.connect(url)
+    elsewhere = await logs.connect(url)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    await closed_turn(writer)
+    await writer.flush()
+
+    for attempt in (elsewhere.open, elsewhere.resume, log.open):
+        with pytest.raises(SessionLogError) as refused:
+            await attempt(sid)
+        assert refused.value.code == "LEASE_HELD"
+    await asyncio.sleep(LEASE_TTL_S * 1.5)  # the holder refreshes: its lease outlives its TTL
+    with pytest.raises(SessionLogError) as refused:
+        await elsewhere.open(sid)
+    assert refused.value.code == "LEASE_HELD"
+
+    await writer.close()  # releasing the lease frees the session at once
+    second = logs.keep(await elsewhere.open(sid))
+    more = await closed_turn(second)
+    await second.flush()
+    assert (await log.reader.events(sid))[-len(more) :] == raws(more)
+    assert second.epoch > writer.epoch
+
+
+async def test_two_publishers_expecting_the_same_last_record_cannot_both_append(logs: Logs, url: str) -> None:
+    log = await logs.connect(url)
+    sid = new_session_id()
+    first, second = _Publisher(log, sid, epoch=101), _Publisher(log, sid, epoch=102)
+    mine = [encode_new_event("turn/start", {"turn": 1}, seq=0, time=1)]
+    theirs = [encode_new_event("turn/start", {"turn": 1}, seq=0, time=2)]
+
+    stream_seq = await first.publish(mine, 0, 0, 1)
+    with pytest.raises(SessionLogError) as refused:
+        await second.publish(theirs, 0, 0, 1)
+    assert refused.value.code == "CONFLICT"
+    with pytest.raises(SessionLogError) as refused:
+        await second.publish(mine, 0, 0, 1)  # the same bytes under another epoch are not a duplicate either
+    assert refused.value.code == "CONFLICT"
+    assert await log.reader.events(sid) == mine
+
+    follow = [encode_new_event("turn/end", {"turn": 1, "reason": {"kind": "completed"}}, seq=1, time=3)]
+    assert await second.publish(follow, 1, stream_seq, 0) > stream_seq  # expecting the right record: accepted
+    assert await log.reader.events(sid) == mine + follow
+
+
+async def test_a_writer_whose_lease_was_taken_over_gets_conflict_and_never_interleaves(logs: Logs, url: str) -> None:
+    log = await logs.connect(url)
+    elsewhere = await logs.connect(url)
+    sid = new_session_id()
+    stale = await logs.create(log, sid)
+    await closed_turn(stale)
+    await stale.flush()
+
+    # The process stalls (a long GC pause, a suspended VM): its lease keeper stops refreshing and the lease expires.
+    await stale._lease.stop()
+
+    async def lease_free() -> bool:
+        return await log.leases.current(sid) is None
+
+    await eventually(lease_free, "the stalled writer's lease expiring")
+    successor = logs.keep(await elsewhere.open(sid))
+    await closed_turn(successor, "I took over.")
+    await successor.flush()
+
+    # The stalled process wakes up and carries on as if nothing happened.
+    await closed_turn(stale, "Still here?")
+    with pytest.raises(SessionLogError) as refused:
+        await stale.flush()
+    assert refused.value.code == "CONFLICT"
+    with pytest.raises(SessionLogError):
+        await stale.emit("turn/start", {"turn": 99})  # fenced for good
+
+    assert await log.reader.events(sid) == [e.raw for e in successor.session]
+    assert_contiguous(await log.reader.records(sid))
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+
+async def test_a_publish_retried_after_a_forced_timeout_lands_exactly_once(
+    fresh_server: EmbeddedServer, logs: Logs
+) -> None:
+    # request timeout 3 s: each publish attempt waits 1 s, the whole publish 3 s. The lease (10 s) outlives the stop.
+    log = await logs.connect(fresh_server.url, request_timeout_s=3.0, lease_ttl_s=10.0)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    written = await closed_turn(writer)
+    await writer.flush()
+    pid = fresh_server.pid
+    assert pid is not None
+
+    await freeze(pid)
+    try:
+        written += await closed_turn(writer, "While the server is frozen.")
+        flushing = asyncio.create_task(writer.flush())
+        await asyncio.sleep(1.6)  # past the first attempt's timeout: the writer has sent a retry
+        assert not flushing.done()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert await asyncio.wait_for(flushing, WAIT_S) == len(written) - 1
+
+    records = await log.reader.records(sid)
+    assert_contiguous(records)
+    assert len({r.first_seq for r in records}) == len(records) == 2
+    assert [e for r in records for e in r.events] == raws(written)
+    more = await closed_turn(writer, "After.")
+    await writer.flush()
+    assert await log.reader.events(sid) == raws(written + more)
+
+
+async def test_a_lease_refresh_that_timed_out_but_landed_does_not_fence_the_writer(
+    fresh_server: EmbeddedServer, logs: Logs
+) -> None:
+    # Refreshes every 1 s, each waiting at most 0.5 s for its ack; the lease lives 4 s past the last refresh.
+    log = await logs.connect(fresh_server.url, request_timeout_s=0.5, lease_ttl_s=4.0, lease_refresh_s=1.0)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    written = [await writer.emit("turn/start", {"turn": 1})]
+    await writer.flush()
+    pid = fresh_server.pid
+    assert pid is not None
+
+    # Frozen for 1.8 s (a refresh interval plus a refresh timeout, and then some): at least one refresh is sent,
+    # times out on the client, and lands when the server wakes. The lease itself never comes near expiring.
+    await freeze(pid)
+    try:
+        await asyncio.sleep(1.8)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await asyncio.sleep(2.5)  # two more refresh rounds
+
+    current = await log.leases.current(sid)
+    assert current is not None and current.epoch == writer.epoch, "the lease is still this writer's"
+    written.append(await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}}))
+    assert await writer.flush() == 1
+    assert await log.reader.events(sid) == raws(written)
+
+
+async def test_flushed_events_survive_a_server_restart_and_the_writer_carries_on(
+    fresh_server: EmbeddedServer, logs: Logs
+) -> None:
+    log = await logs.connect(fresh_server.url, lease_ttl_s=10.0)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    written = await closed_turn(writer)
+    await writer.flush()
+
+    await asyncio.to_thread(fresh_server.restart)  # clean stop, same port and data folder
+
+    async def reconnected() -> bool:
+        return log.nc.is_connected
+
+    await eventually(reconnected, "the writer's connection reconnecting")
+    reader = await logs.connect(fresh_server.url)
+    _, session, _ = await reader.load(sid)
+    assert [e.raw for e in session] == raws(written)
+
+    written += await closed_turn(writer, "After the restart.")
+    assert await asyncio.wait_for(writer.flush(), WAIT_S) == len(written) - 1
+    assert await reader.reader.events(sid) == raws(written)
+    assert_contiguous(await reader.reader.records(sid))
+    await writer.close()
+
+
+async def test_a_flush_with_the_server_gone_is_log_unavailable_and_reports_nothing_durable(
+    fresh_server: EmbeddedServer, logs: Logs
+) -> None:
+    timeout = 2.0
+    log = await logs.connect(fresh_server.url, request_timeout_s=timeout, lease_ttl_s=10.0)
+    writer = await logs.create(log)
+    written = await closed_turn(writer)
+    durable = await writer.flush()
+
+    await asyncio.to_thread(fresh_server.kill)
+    await closed_turn(writer, "Nobody hears this.")
+    started = time.monotonic()
+    with pytest.raises(LogUnavailable) as refused:
+        await asyncio.wait_for(writer.flush(), timeout + WAIT_S)
+    elapsed = time.monotonic() - started
+    assert refused.value.code == "LOG_UNAVAILABLE"
+    assert elapsed < timeout + 1.0, f"LOG_UNAVAILABLE after {elapsed:.2f}s, the request timeout is {timeout}s"
+    assert writer.durable_seq == durable == len(written) - 1
+    with pytest.raises(LogUnavailable):
+        await writer.flush()  # the writer stays fenced: a later flush does not pretend
+    assert writer.durable_seq == durable
+
+
+async def test_big_records_of_several_writers_with_the_server_gone_are_log_unavailable_not_a_hang(
+    fresh_server: EmbeddedServer, logs: Logs
+) -> None:
+    timeout = 2.0
+    log = await logs.connect(fresh_server.url, request_timeout_s=timeout, lease_ttl_s=10.0)
+    writers = [await logs.create(log) for _ in range(3)]
+    for writer in writers:
+        await writer.emit("turn/start", {"turn": 1})
+        await writer.flush()
+
+    await asyncio.to_thread(fresh_server.kill)
+    text = "x" * (log.max_record_bytes - 400)  # one near-maximal record per writer, all on one connection
+    for writer in writers:
+        await writer.emit("user/message", user_message(text, "big"), surface_op="append")
+    outcomes = await asyncio.gather(
+        *(asyncio.wait_for(w.flush(), timeout + 3.0) for w in writers), return_exceptions=True
+    )
+    assert [type(o) for o in outcomes] == [LogUnavailable] * 3, outcomes
+    assert [w.durable_seq for w in writers] == [0, 0, 0]
+
+
+# ---------------------------------------------------------------------------------------------- compaction
+
+
+async def test_compact_writes_a_replace_whose_provenance_names_every_shadowed_node(logs: Logs, url: str) -> None:
+    log = await logs.connect(url)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    await closed_turn(writer, "First.")
+    await writer.emit("turn/start", {"turn": 2})
+    await writer.emit("user/message", user_message("Read a file.", "u2"), surface_op="append")
+    pair = await tool_step(writer, "call-1")
+    nodes = list(writer.session.surface.nodes)
+    start, end = nodes[0], pair["result"]
+    shadowed = nodes[: nodes.index(end) + 1]
+
+    summary = await writer.compact(start, end, "Summary: the user said hello and a file was read.", message_id="s1")
+    await writer.flush()
+
+    stored = msgspec.json.decode((await log.reader.events(sid))[summary.seq])
+    assert stored["type"] == "user/message"
+    assert stored["surfaceOp"] == {"op": "replace", "start": start, "end": end}
+    assert stored["sourceEventSeqs"] == shadowed
+    assert stored["data"]["id"] == "s1" and stored["data"]["source"] == {"kind": "plugin", "plugin": "compact"}
+    _, session, _ = await log.load(sid)
+    assert session.surface.nodes[0] == summary.seq
+    assert [m.seq for m in session.derive_messages()] == [m.seq for m in writer.session.derive_messages()]
+    assert session.generation == 1
+    await writer.close()
+
+
+async def test_a_compaction_that_would_split_a_tool_pair_is_refused_before_anything_is_sent(
+    logs: Logs, url: str
+) -> None:
+    log = await logs.connect(url)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    await writer.emit("turn/start", {"turn": 1})
+    await writer.emit("user/message", user_message("Read a file.", "u1"), surface_op="append")
+    pair = await tool_step(writer, "call-1")
+    durable = await writer.flush()
+    before = await log.reader.events(sid)
+
+    nodes = list(writer.session.surface.nodes)
+    with pytest.raises(SessionLogError) as refused:
+        await writer.compact(nodes[0], pair["message"], "Summary that would orphan the result.")
+    assert refused.value.code == "REPLACE_SPLITS_TOOL_PAIR"
+    assert writer.next_seq == durable + 1 and writer.session.generation == 0
+    assert await writer.flush() == durable
+    assert await log.reader.events(sid) == before
+
+    await writer.compact(nodes[0], pair["result"], "Summary keeping the pair together.")
+    assert await writer.flush() == durable + 1
+    await writer.close()
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+async def test_record_of_finds_the_record_holding_each_seq_among_other_sessions_records(logs: Logs, url: str) -> None:
+    log = await logs.connect(url, write_max_events=4)
+    sid, noise = new_session_id(), new_session_id()
+    writer, other = await logs.create(log, sid), await logs.create(log, noise)
+    for _ in range(4):  # interleave the two sessions' records in the stream
+        await closed_turn(writer)
+        await writer.flush()
+        await closed_turn(other)
+        await other.flush()
+    events = await log.reader.events(sid)
+    records = await log.reader.records(sid)
+    assert len(records) >= 6
+
+    for seq in range(len(events)):
+        record = await log.reader.record_of(sid, seq)
+        assert record is not None, seq
+        assert record.first_seq <= seq < record.next_seq
+        assert record.events[seq - record.first_seq] == events[seq]
+        assert record.stream_seq in {r.stream_seq for r in records}
+    for outside in (len(events), len(events) + 10, -1):
+        assert await log.reader.record_of(sid, outside) is None
+    assert await log.reader.record_of(new_session_id(), 0) is None
+
+
+async def test_subscribe_from_a_stream_sequence_replays_then_follows_live(logs: Logs, url: str) -> None:
+    log = await logs.connect(url)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    for _ in range(3):
+        await closed_turn(writer)
+        await writer.flush()
+    records = await log.reader.records(sid)
+    assert len(records) == 3
+
+    feed = log.reader.subscribe(session_id=sid, from_stream_seq=records[1].stream_seq)
+    try:
+        replayed = [await asyncio.wait_for(anext(feed), WAIT_S) for _ in range(2)]
+        assert [(r.stream_seq, r.events) for r in replayed] == [(r.stream_seq, r.events) for r in records[1:]]
+
+        live = await closed_turn(writer, "Live.")
+        await writer.flush()
+        record = await asyncio.wait_for(anext(feed), WAIT_S)
+        assert record.events == tuple(raws(live)) and record.first_seq == records[-1].next_seq
+        assert record.session_id == sid
+    finally:
+        await feed.aclose()
+    await writer.close()
+
+
+async def test_sessions_lists_each_session_with_its_events_open_turn_and_parent(logs: Logs, url: str) -> None:
+    log = await logs.connect(url)
+    closed_id, open_id, child_id, empty_id = (new_session_id() for _ in range(4))
+    closed = await logs.create(log, closed_id, created_at=1_700_000_000_000)
+    written = await closed_turn(closed)
+    await closed.close()
+    opened = await logs.create(log, open_id, created_at=1_700_000_000_001)
+    await closed_turn(opened)
+    await opened.emit("turn/start", {"turn": 2})
+    await opened.flush()
+    empty = await logs.create(log, empty_id, created_at=1_700_000_000_002)
+    await log.fork(closed_id, child_id)
+
+    infos = {info.id: info for info in await log.sessions()}
+    assert infos[closed_id].events == len(written) and infos[closed_id].open_turn is None
+    assert infos[closed_id].parent is None and infos[closed_id].created_at == 1_700_000_000_000
+    assert infos[open_id].events == 7 and infos[open_id].open_turn == 2
+    assert infos[child_id].events == len(written) + 1 and infos[child_id].parent == closed_id
+    assert infos[empty_id].events == 0 and infos[empty_id].open_turn is None
+    listed = [i.id for i in await log.sessions()]
+    assert listed.index(child_id) < listed.index(empty_id) < listed.index(open_id) < listed.index(closed_id)
+    await opened.close()
+    await empty.close()

@@ -1,0 +1,744 @@
+"""The projection runner (runner.py) against real nats-server processes.
+
+What a runner promises: a projection rebuilt from stream seq 1 equals the one built live; a restart resumes
+after its checkpoint and still ends with every session's state equal to a clean rebuild, each record applied
+exactly once; a session not in memory is loaded from the stream when it is touched; replicas split the partitions
+through leases and a survivor takes over a dead replica's partitions; a poison record is quarantined (KV, health,
+`runner.quarantined`) and every other session goes on.
+
+Each runner here gets a projection name of its own (`cd-<uuid>`), so runners of different tests never share
+durable consumers or checkpoints on the module's server. Tests that leave poison in the stream take a server of
+their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, ClassVar
+
+import msgspec
+import pytest
+import pytest_asyncio
+from natsfixtures import log_settings, new_session_id
+
+from services.context_deriver.service import ContextDeriver, DeriverState, canonical_messages
+from sessionlog.embedded import EmbeddedServer
+from sessionlog.errors import CorruptLog
+from sessionlog.events import encode_new_event
+from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.provision import partition_of
+from sessionlog.record import Record, encode_payload, events_filter, in_subject, partition_filter, record_headers
+from sessionlog.runner import ProjectionRunner
+from sessionlog.session import Session
+from sessionlog.settings import Settings
+
+pytest_plugins = ["natsfixtures"]
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
+
+LEASE_TTL_S = 1.0  # JetStream's per-message TTL counts whole seconds: 1 s is the shortest lease there is
+WAIT_S = 10.0  # the bound of every wait for something to happen on the server
+PARTITIONS = 8
+ALL = list(range(PARTITIONS))
+
+
+# ---------------------------------------------------------------------------------------------- projections
+
+
+class CheckedState(DeriverState):
+    """A context-deriver state that remembers the stream seq of every record applied to it."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(session_id)
+        self.applied: list[int] = []
+
+    def apply(self, record: Record) -> None:
+        super().apply(record)
+        self.applied.append(record.stream_seq)
+
+
+class CheckedDeriver(ContextDeriver):
+    """The context-deriver projection under a name of its own (durables and checkpoints are per name)."""
+
+    name: ClassVar[str] = "cd-checked"
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # type: ignore[misc]  # per instance: each test its own consumers and checkpoints
+
+    def new_state(self, session_id: str) -> CheckedState:
+        return CheckedState(session_id)
+
+
+def projection_name() -> str:
+    return f"cd-{uuid.uuid4().hex[:10]}"
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+class Harness:
+    """The connections, writers and runners one test opened; all stopped at its end."""
+
+    def __init__(self) -> None:
+        self._logs: list[SessionLog] = []
+        self._writers: list[SessionWriter] = []
+        self._runners: list[ProjectionRunner[Any]] = []
+
+    async def connect(self, url: str, **overrides: Any) -> SessionLog:
+        log = await SessionLog.connect(log_settings(url, **{"lease_ttl_s": LEASE_TTL_S, **overrides}))
+        self._logs.append(log)
+        return log
+
+    async def create(self, log: SessionLog, session_id: str | None = None) -> SessionWriter:
+        writer = await log.create(session_id or new_session_id())
+        self._writers.append(writer)
+        return writer
+
+    async def runner(
+        self, url: str, name: str | None = None, *, start: bool = True, **options: Any
+    ) -> ProjectionRunner[CheckedState]:
+        """A runner on a connection of its own (as a replica in its own process would have)."""
+        log = await self.connect(url)
+        options.setdefault("partitions", ALL)
+        runner: ProjectionRunner[CheckedState] = ProjectionRunner(
+            log, CheckedDeriver(name or projection_name()), **options
+        )
+        self._runners.append(runner)
+        if start:
+            await runner.start()
+        return runner
+
+    async def aclose(self) -> None:
+        for runner in self._runners:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(runner.stop(), WAIT_S)
+        for writer in self._writers:
+            await writer.abandon()
+        for log in self._logs:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(log.close(), 5)
+            if not log.nc.is_closed:
+                await log.nc.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def harness() -> AsyncIterator[Harness]:
+    opened = Harness()
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+@pytest.fixture
+def url(provisioned: Settings) -> str:
+    assert provisioned.nats_url is not None
+    return provisioned.nats_url
+
+
+def user_message(text: str, msg_id: str) -> dict[str, Any]:
+    return {"id": msg_id, "role": "user", "source": {"kind": "user"}, "content": [{"type": "text", "text": text}]}
+
+
+def assistant(turn: int, step: int, blocks: list[dict[str, Any]], msg_id: str) -> dict[str, Any]:
+    message = {
+        "id": msg_id,
+        "role": "assistant",
+        "source": {"kind": "model", "provider": "p", "model": "m"},
+        "content": blocks,
+    }
+    return {"turn": turn, "step": step, "message": message}
+
+
+async def streamed_turn(writer: SessionWriter, text: str, *, deltas: int = 5, tools: int = 1) -> None:
+    """One whole turn as an agent writes it: header, streamed chunks, an assistant message that calls tools, the
+    calls and results, then a step that answers; flushed where an agent flushes (before requests and tools)."""
+    session = writer.session
+    turn = session.last_turn + 1
+    await writer.emit("turn/start", {"turn": turn})
+    await writer.emit("user/message", user_message(text, f"u{turn}-{uuid.uuid4().hex[:6]}"), surface_op="append")
+    await writer.emit("step/start", {"turn": turn, "step": 1})
+    if session.fold_request_header() is None or turn % 3 == 0:
+        header = {"config": {"provider": "p", "model": "m", "temperature": 0.1 * (turn % 5)}, "system": f"sys {turn}"}
+        reason = "initial" if session.fold_request_header() is None else "change"
+        await writer.emit("request/header", {"header": header, "reason": reason})
+    await writer.flush()  # before the provider request
+    first = writer.next_seq
+    await writer.emit(
+        "assistant/chunk", {"turn": turn, "step": 1, "chunk": {"type": "block-start", "index": 0, "blockType": "text"}}
+    )
+    for i in range(deltas):
+        await writer.emit(
+            "assistant/chunk", {"turn": turn, "step": 1, "chunk": {"type": "text-delta", "index": 0, "text": f"t{i} "}}
+        )
+    said = "".join(f"t{i} " for i in range(deltas))
+    await writer.emit(
+        "assistant/chunk",
+        {"turn": turn, "step": 1, "chunk": {"type": "block-end", "index": 0, "block": {"type": "text", "text": said}}},
+    )
+    calls = [
+        {"type": "tool-call", "id": f"c{turn}-{i}", "name": "read", "arguments": f'{{"path":"f{i}"}}'}
+        for i in range(tools)
+    ]
+    await writer.emit(
+        "assistant/message",
+        assistant(turn, 1, [{"type": "text", "text": said}, *calls], f"a{turn}"),
+        surface_op="append",
+        source_event_seqs=list(range(first, writer.next_seq)),
+    )
+    for call in calls:
+        data = {"turn": turn, "step": 1, "callId": call["id"], "name": "read", "arguments": call["arguments"]}
+        call_seq = (await writer.emit("tool/call", data)).seq
+        await writer.flush()  # before the tool body
+        block = {"type": "tool-result", "toolCallId": call["id"], "content": [{"type": "text", "text": "ok " * 5}]}
+        result = {
+            "id": f"r-{call['id']}",
+            "role": "user",
+            "source": {"kind": "tool", "callId": call["id"]},
+            "content": [block],
+        }
+        await writer.emit(
+            "tool/result",
+            {"turn": turn, "step": 1, "message": result},
+            surface_op="append",
+            source_event_seqs=[call_seq],
+        )
+    await writer.emit("step/end", {"turn": turn, "step": 1})
+    await writer.emit("step/start", {"turn": turn, "step": 2})
+    await writer.emit(
+        "assistant/message",
+        assistant(turn, 2, [{"type": "text", "text": f"done {turn}"}], f"a{turn}b"),
+        surface_op="append",
+        source_event_seqs=[],
+    )
+    await writer.emit("step/end", {"turn": turn, "step": 2})
+    await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}})
+
+
+async def compact_all(writer: SessionWriter) -> None:
+    """A turn whose compaction replaces every surface node so far (a new generation)."""
+    session = writer.session
+    turn = session.last_turn + 1
+    await writer.emit("turn/start", {"turn": turn})
+    nodes = list(session.surface.nodes)
+    await writer.compact(nodes[0], nodes[-1], f"summary of {len(nodes)} nodes")
+    await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}})
+
+
+def snapshot(session: Session) -> dict[str, Any]:
+    """What a context-deriver answers for a session, as comparable values."""
+    body, digest = canonical_messages(session)
+    header = session.fold_request_header()
+    return {
+        "events": [e.raw for e in session],
+        "messages": body,
+        "sha256": digest,
+        "generation": session.generation,
+        "header": header.to_builtins() if header is not None else None,
+    }
+
+
+async def reference(log: SessionLog, session_id: str) -> tuple[dict[str, Any], list[int]]:
+    """A clean rebuild of one session from the stream, and the stream seqs of its records."""
+    records = await log.reader.records(session_id)
+    return snapshot(Session([e for r in records for e in r.events])), [r.stream_seq for r in records]
+
+
+async def assert_equals_clean_rebuild(log: SessionLog, state: CheckedState | None, session_id: str) -> None:
+    assert state is not None, f"{session_id}: no state"
+    expected, stream_seqs = await reference(log, session_id)
+    assert snapshot(state.session) == expected, f"{session_id}: state differs from a clean rebuild"
+    assert state.applied == stream_seqs, f"{session_id}: records applied {state.applied}, the stream has {stream_seqs}"
+    assert state.next_seq == len(expected["events"])
+    assert state.last_stream_seq == stream_seqs[-1]
+
+
+async def eventually(condition: Callable[[], Awaitable[bool]], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+def count_loads(runner: ProjectionRunner[Any]) -> dict[str, int]:
+    """Count the runner's on-demand session loads (reads of one session's records from the stream)."""
+    loads: dict[str, int] = {}
+    real = runner.log.reader.records
+
+    async def counted(session_id: str, **kwargs: Any) -> list[Record]:
+        loads[session_id] = loads.get(session_id, 0) + 1
+        return await real(session_id, **kwargs)
+
+    runner.log.reader.records = counted  # type: ignore[method-assign]
+    return loads
+
+
+def ids_in_partition(partition: int, count: int, prefix: str = "t") -> list[str]:
+    out: list[str] = []
+    while len(out) < count:
+        sid = new_session_id(prefix)
+        if partition_of(sid, PARTITIONS) == partition:
+            out.append(sid)
+    return out
+
+
+async def last_stream_seq(log: SessionLog, subject_filter: str) -> int:
+    raw = await log.reader.last_of(subject_filter)
+    return raw.stream_seq if raw is not None else 0
+
+
+async def publish_raw(log: SessionLog, session_id: str, payload: bytes, headers: dict[str, str] | None) -> int:
+    """Publish a message as a (possibly broken) writer would, after the session's last stored message."""
+    reply = await log.nc.request(in_subject(session_id), payload, headers=headers, timeout=5)
+    body = json.loads(reply.data)
+    assert "error" not in body, body
+    return int(body["seq"])
+
+
+async def publish_record(
+    log: SessionLog, session_id: str, events: list[bytes], first_seq: int, *, bad_digest: bool = False
+) -> int:
+    """A record with valid headers (and a digest that lies when asked), continuing the session's subject."""
+    payload = encode_payload(events)
+    headers = record_headers(
+        session_id=session_id,
+        first_seq=first_seq,
+        count=len(events),
+        epoch=0,
+        payload=payload,
+        expected_last=await last_stream_seq(log, events_filter(session_id)),
+        open_turn=0,
+    )
+    if bad_digest:
+        headers["Sessionlog-Digest"] = "0" * 64
+    return await publish_raw(log, session_id, payload, headers)
+
+
+def closed_turn_events(first_seq: int, turn: int) -> list[bytes]:
+    return [
+        encode_new_event("turn/start", {"turn": turn}, seq=first_seq, time=1),
+        encode_new_event(
+            "user/message", user_message("hi", f"raw{turn}"), seq=first_seq + 1, time=1, surface_op="append"
+        ),
+        encode_new_event("turn/end", {"turn": turn, "reason": {"kind": "completed"}}, seq=first_seq + 2, time=1),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- rebuild
+
+
+async def test_a_projection_rebuilt_from_offset_0_equals_the_one_built_live(harness: Harness, url: str) -> None:
+    log = await harness.connect(url)
+    live = await harness.runner(url)
+    live_loads = count_loads(live)
+    await live.wait_ready()
+
+    writers = [await harness.create(log) for _ in range(6)]
+    for round_ in range(3):  # interleaved, so records of different sessions alternate in every partition
+        for i, writer in enumerate(writers):
+            await streamed_turn(writer, f"round {round_} session {i}", tools=i % 3)
+            if round_ == 1 and i % 2 == 0:
+                await compact_all(writer)
+            await writer.flush()
+    for writer in writers:
+        await live.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
+
+    rebuilt = await harness.runner(url, rebuild=True)
+    rebuilt_loads = count_loads(rebuilt)
+    await rebuilt.wait_ready(timeout=WAIT_S)
+    for writer in writers:
+        sid = writer.session_id
+        await assert_equals_clean_rebuild(log, live.states.get(sid), sid)
+        await assert_equals_clean_rebuild(log, rebuilt.states.get(sid), sid)
+        assert snapshot(live.states[sid].session) == snapshot(rebuilt.states[sid].session)
+        assert snapshot(writer.session) == snapshot(live.states[sid].session), "the writer's own view agrees"
+        if sid in (writers[0].session_id, writers[2].session_id):
+            assert live.states[sid].session.generation >= 1, "the compaction made a new generation"
+    ours = {w.session_id for w in writers}
+    assert not ours & set(live_loads), f"the live runner built every state live, yet loaded {live_loads}"
+    assert not ours & set(rebuilt_loads), "a rebuild from stream seq 1 meets every session at its first record"
+    assert not [q for q in live.quarantined if q.session_id in ours]
+
+
+async def test_a_restart_resumes_after_its_checkpoint_and_ends_equal_to_a_clean_rebuild(
+    harness: Harness, url: str
+) -> None:
+    log = await harness.connect(url)
+    name = projection_name()
+    first = await harness.runner(url, name)
+    await first.wait_ready()
+    before = [await harness.create(log) for _ in range(4)]
+    for writer in before:
+        await streamed_turn(writer, "before the stop")
+        await writer.flush()
+        await first.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
+    await first.stop()  # graceful: acknowledges and checkpoints every partition
+
+    kv = await log.js.key_value(log.settings.kv_checkpoints)
+    checkpoints: dict[int, int] = {}
+    for number in ALL:
+        last = await last_stream_seq(log, partition_filter(number))
+        if last == 0:
+            continue
+        entry = await kv.get(f"{name}.p{number}")
+        checkpoints[number] = json.loads(entry.value)["stream_seq"]
+        assert checkpoints[number] == last, f"partition {number}: checkpoint {checkpoints[number]}, stream at {last}"
+    touched = {partition_of(w.session_id, PARTITIONS) for w in before}
+    assert touched <= set(checkpoints), "every partition our sessions live in has a checkpoint"
+
+    # While it is down: two sessions go on, a new one starts; two stay untouched.
+    for writer in before[:2]:
+        await streamed_turn(writer, "while it was down")
+        await writer.flush()
+    newcomer = await harness.create(log)
+    await streamed_turn(newcomer, "new while it was down")
+    await newcomer.flush()
+
+    second = await harness.runner(url, name)
+    loads = count_loads(second)
+    await second.wait_ready(timeout=WAIT_S)
+    for number, seq in checkpoints.items():
+        info = await log.js.consumer_info(log.settings.stream, f"{name}-p{number}")
+        assert info.config.opt_start_seq == seq + 1, f"partition {number} resumed at {info.config.opt_start_seq}"
+    for writer in [*before[:2], newcomer]:
+        await assert_equals_clean_rebuild(log, second.states.get(writer.session_id), writer.session_id)
+    for writer in before[2:]:
+        assert writer.session_id not in second.states, "a session untouched since the checkpoint is not replayed"
+        state = await second.state(writer.session_id)  # ...but loaded from the stream when a query touches it
+        await assert_equals_clean_rebuild(log, state, writer.session_id)
+    assert loads.get(newcomer.session_id, 0) == 0, "a session that starts after the checkpoint is built live"
+    assert all(loads.get(w.session_id, 0) == 1 for w in before), f"one load per older session: {loads}"
+    ours = {w.session_id for w in [*before, newcomer]}
+    assert not [q for q in second.quarantined if q.session_id in ours], "nothing applied twice (SEQ_NOT_CONTIGUOUS)"
+
+    # And it keeps applying live after the restart.
+    await streamed_turn(before[3], "after the restart")
+    await before[3].flush()
+    state = await second.wait_for(before[3].session_id, before[3].durable_seq, timeout=WAIT_S)
+    await assert_equals_clean_rebuild(log, state, before[3].session_id)
+
+
+async def test_a_start_mid_stream_reloads_each_session_it_meets_and_never_guesses(harness: Harness, url: str) -> None:
+    log = await harness.connect(url)
+    writers = [await harness.create(log) for _ in range(3)]
+    for writer in writers:
+        await streamed_turn(writer, "one")
+        await writer.flush()
+    middle = await last_stream_seq(log, "sessionlog.events.>") + 1
+    for writer in writers:
+        await streamed_turn(writer, "two")
+        await writer.flush()
+
+    runner = await harness.runner(url, from_seq=middle)
+    loads = count_loads(runner)
+    for writer in writers:
+        state = await runner.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
+        await assert_equals_clean_rebuild(log, state, writer.session_id)
+    await runner.wait_ready()
+    assert all(loads.get(w.session_id) == 1 for w in writers), f"one load per session met mid-way: {loads}"
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+async def test_memory_is_bounded_and_an_evicted_session_is_rebuilt_when_touched(harness: Harness, url: str) -> None:
+    log = await harness.connect(url)
+    runner = await harness.runner(url, max_sessions=3, idle_evict_s=0.3)
+    await runner.wait_ready()
+    writers = [await harness.create(log) for _ in range(6)]
+    for writer in writers:
+        await streamed_turn(writer, "hello")
+        await writer.flush()
+    for writer in writers:
+        await runner.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
+        assert len(runner.states) <= 3
+    await eventually(lambda: _true(not runner.states), "idle sessions evicted", timeout=5)
+    for writer in writers:
+        await assert_equals_clean_rebuild(log, await runner.state(writer.session_id), writer.session_id)
+        assert len(runner.states) <= 3
+    # An evicted session that goes on is reloaded when its next record arrives, never guessed at.
+    await streamed_turn(writers[0], "again")
+    await writers[0].flush()
+    state = await runner.wait_for(writers[0].session_id, writers[0].durable_seq, timeout=WAIT_S)
+    await assert_equals_clean_rebuild(log, state, writers[0].session_id)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_wait_for_is_bounded_and_names_the_seq(harness: Harness, url: str) -> None:
+    log = await harness.connect(url)
+    runner = await harness.runner(url)
+    writer = await harness.create(log)
+    await streamed_turn(writer, "x")
+    await writer.flush()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"seq {writer.next_seq + 5} not applied"):
+        await runner.wait_for(writer.session_id, writer.next_seq + 5, timeout=0.5)
+    assert 0.45 <= time.monotonic() - start < 2.0
+    assert await runner.state(new_session_id("absent")) is None, "a session with no records has no state"
+
+
+async def test_a_replica_that_owns_nothing_reads_sessions_from_the_stream(harness: Harness, url: str) -> None:
+    log = await harness.connect(url)
+    runner = await harness.runner(url, partitions=[])
+    assert runner.owned == [] and not runner.owns(new_session_id())
+    writer = await harness.create(log)
+    await streamed_turn(writer, "x")
+    await writer.flush()
+    await assert_equals_clean_rebuild(log, await runner.state(writer.session_id), writer.session_id)
+
+    async def later() -> None:
+        await asyncio.sleep(0.3)
+        await streamed_turn(writer, "y")
+        await writer.flush()
+
+    target = writer.next_seq + 3
+    task = asyncio.create_task(later())
+    state = await runner.wait_for(writer.session_id, target, timeout=WAIT_S)
+    await task
+    assert state.next_seq > target
+    await assert_equals_clean_rebuild(log, await runner.state(writer.session_id), writer.session_id)
+
+
+async def test_an_idle_runner_keeps_consuming(harness: Harness, url: str) -> None:
+    log = await harness.connect(url)
+    runner = await harness.runner(url)
+    writer = await harness.create(log)
+    await streamed_turn(writer, "before the quiet")
+    await writer.flush()
+    await runner.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
+    await asyncio.sleep(3)  # idle: a dozen empty fetches per partition
+    dead = {p.number: p.task.exception() for p in runner._partitions.values() if p.task is not None and p.task.done()}
+    assert not dead, f"partition consumers died while idle: {dead}"
+    await streamed_turn(writer, "after the quiet")
+    await writer.flush()
+    state = await runner.wait_for(writer.session_id, writer.durable_seq, timeout=3)
+    await assert_equals_clean_rebuild(log, state, writer.session_id)
+
+
+async def test_a_record_that_arrives_during_an_on_demand_load_is_not_lost(harness: Harness, url: str) -> None:
+    log = await harness.connect(url)
+    writer = await harness.create(log)
+    await streamed_turn(writer, "before")
+    await writer.flush()
+    runner = await harness.runner(url, start=False, from_seq=writer.last_stream_seq + 1)
+    gate = asyncio.Event()
+    real = runner.log.reader.records
+
+    async def slow_records(session_id: str, **kwargs: Any) -> list[Record]:
+        records = await real(session_id, **kwargs)  # read now, answered late: a slow stream read
+        await asyncio.wait_for(gate.wait(), WAIT_S)
+        return records
+
+    runner.log.reader.records = slow_records  # type: ignore[method-assign]
+    await runner.start()
+    await runner.wait_ready()
+    query = asyncio.create_task(runner.state(writer.session_id))  # a derive touches the session: a load starts
+    await asyncio.sleep(0.2)
+    for raw in closed_turn_events(writer.next_seq, writer.session.last_turn + 1):
+        await writer.append(raw)
+    await writer.flush()  # one record, and nothing after it that would make the runner look again
+    await asyncio.sleep(1.0)  # the consumer has fetched the new record by now
+    gate.set()
+    await asyncio.wait_for(query, WAIT_S)
+    state = await runner.wait_for(writer.session_id, writer.durable_seq, timeout=3)
+    await assert_equals_clean_rebuild(log, state, writer.session_id)
+
+
+# ---------------------------------------------------------------------------------------------- replicas
+
+
+async def test_two_replicas_split_8_partitions_and_one_takes_over_when_the_other_dies(
+    harness: Harness, url: str
+) -> None:
+    log = await harness.connect(url)
+    name = projection_name()
+    a = await harness.runner(url, name, start=False, partitions=None, claim=True)
+    b = await harness.runner(url, name, start=False, partitions=None, claim=True)
+    await asyncio.gather(a.start(), b.start())
+
+    async def split() -> bool:
+        return len(a.owned) == len(b.owned) == 4 and set(a.owned) | set(b.owned) == set(ALL)
+
+    await eventually(split, f"a fair split (a {a.owned}, b {b.owned})")
+    assert not set(a.owned) & set(b.owned)
+    assert sorted(await a.live_replicas()) == sorted([a.replica_id, b.replica_id])
+
+    # Each replica applies the sessions of its own partitions, live.
+    writers = {p: await harness.create(log, ids_in_partition(p, 1)[0]) for p in ALL}
+    for writer in writers.values():
+        await streamed_turn(writer, "split")
+        await writer.flush()
+    for p, writer in writers.items():
+        owner = a if p in a.owned else b
+        assert owner.owns(writer.session_id)
+        await assert_equals_clean_rebuild(
+            log, await owner.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S), writer.session_id
+        )
+    b_held = list(b.owned)
+
+    # b dies: its tasks stop and its connection drops, nothing released; its leases expire on the server.
+    died = time.monotonic()
+    await _die(b)
+    await eventually(lambda: _true(a.owned == ALL), f"a takes over b's partitions (a {a.owned})", timeout=8)
+    took = time.monotonic() - died
+    assert took < 6, f"takeover took {took:.1f}s with a {LEASE_TTL_S}s lease"
+    for p in b_held:  # the survivor now applies what b applied, live
+        writer = writers[p]
+        await streamed_turn(writer, "after the takeover")
+        await writer.flush()
+        state = await a.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
+        await assert_equals_clean_rebuild(log, state, writer.session_id)
+    assert a.health()["partitions"] == ALL
+
+
+async def test_a_replica_that_stops_hands_its_partitions_over_at_once(harness: Harness, url: str) -> None:
+    name = projection_name()
+    a = await harness.runner(url, name, start=False, partitions=None, claim=True)
+    b = await harness.runner(url, name, start=False, partitions=None, claim=True)
+    await asyncio.gather(a.start(), b.start())
+    await eventually(lambda: _true(len(a.owned) == len(b.owned) == 4), "a fair split")
+    await b.stop()  # graceful: releases its leases
+    stopped = time.monotonic()
+    await eventually(lambda: _true(a.owned == ALL), "a takes every partition", timeout=5)
+    assert time.monotonic() - stopped < LEASE_TTL_S + 1.5, "released leases are taken without waiting for expiry"
+
+
+async def _die(runner: ProjectionRunner[Any]) -> None:
+    """A replica's process dies: its tasks stop mid-work and its connection drops; nothing is released."""
+    runner._running = False
+    tasks = [*runner._tasks, *(p.task for p in runner._partitions.values() if p.task is not None)]
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    runner._tasks.clear()
+    runner._partitions.clear()
+    await runner.log.nc.close()
+
+
+# ---------------------------------------------------------------------------------------------- poison
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def own(fresh_server: EmbeddedServer) -> AsyncIterator[tuple[str, Harness]]:
+    """A server of the test's own (poison stays out of the module's stream), and a harness closed before the
+    server is killed."""
+    opened = Harness()
+    try:
+        yield fresh_server.url, opened
+    finally:
+        await opened.aclose()
+
+
+async def test_a_poison_record_is_quarantined_and_the_next_records_still_apply(own: tuple[str, Harness]) -> None:
+    own_url, harness = own
+    log = await harness.connect(own_url)
+    runner = await harness.runner(own_url)
+    await runner.wait_ready()
+    partition = 3  # every session here shares one partition: the poison must not stop it
+    bad_event, bad_digest, not_a_record, healthy = ids_in_partition(partition, 4)
+
+    # 1. A session whose second record holds an event the session library refuses.
+    writer = await harness.create(log, bad_event)
+    await streamed_turn(writer, "fine so far")
+    await writer.flush()
+    await writer.abandon()
+    broken = [msgspec.json.encode({"seq": writer.next_seq, "time": 1, "type": "turn/start", "data": {"turn": "x"}})]
+    seq_event = await publish_record(log, bad_event, broken, writer.next_seq)
+    # 2. A first record whose payload does not match its digest.
+    seq_digest = await publish_record(log, bad_digest, closed_turn_events(0, 1), 0, bad_digest=True)
+    # 3. A message on the session's subject that is no record at all.
+    seq_junk = await publish_raw(log, not_a_record, b"not a record", None)
+    # 4. Another session of the same partition, written after the poison.
+    other = await harness.create(log, healthy)
+    await streamed_turn(other, "still applied")
+    await other.flush()
+
+    state = await runner.wait_for(healthy, other.durable_seq, timeout=WAIT_S)
+    await assert_equals_clean_rebuild(log, state, healthy)
+    quarantined = {q.stream_seq: q for q in runner.quarantined}
+    assert set(quarantined) == {seq_event, seq_digest, seq_junk}, runner.quarantined
+    assert quarantined[seq_event].session_id == bad_event and "INVALID_EVENT" in quarantined[seq_event].reason
+    assert quarantined[seq_digest].session_id == bad_digest and "digest" in quarantined[seq_digest].reason
+    assert (
+        quarantined[seq_junk].session_id == not_a_record and "not a sessionlog record" in quarantined[seq_junk].reason
+    )
+    assert runner.health()["quarantined"] == 3
+    kv = await log.js.key_value(log.settings.kv_checkpoints)
+    for seq, entry in quarantined.items():
+        stored = json.loads((await kv.get(f"{runner.name}.quarantine.{seq}")).value)
+        assert stored == {"stream_seq": seq, "session": entry.session_id, "reason": entry.reason}
+    for sid in (bad_event, bad_digest, not_a_record):
+        assert sid not in runner.states
+        with pytest.raises(CorruptLog, match="quarantined"):
+            await runner.state(sid)
+
+    # A later record of a poisoned session is quarantined too (never applied on top of a hole); others go on.
+    seq_after = await publish_record(log, bad_digest, closed_turn_events(3, 2), 3)
+    await streamed_turn(other, "and on")
+    await other.flush()
+    state = await runner.wait_for(healthy, other.durable_seq, timeout=WAIT_S)
+    await assert_equals_clean_rebuild(log, state, healthy)
+    assert [q.stream_seq for q in runner.quarantined][-1] == seq_after
+    assert runner._partitions[partition].task is not None and not runner._partitions[partition].task.done()
+
+    # A rebuild meets the same poison and quarantines the same records.
+    rebuilt = await harness.runner(own_url, rebuild=True)
+    await rebuilt.wait_ready(timeout=WAIT_S)
+    assert sorted(q.stream_seq for q in rebuilt.quarantined) == sorted(q.stream_seq for q in runner.quarantined)
+    await assert_equals_clean_rebuild(log, rebuilt.states.get(healthy), healthy)
+
+
+async def test_a_record_that_skips_seqs_is_quarantined_and_its_partition_goes_on(own: tuple[str, Harness]) -> None:
+    own_url, harness = own
+    log = await harness.connect(own_url)
+    runner = await harness.runner(own_url)
+    await runner.wait_ready()
+    gapped, healthy = ids_in_partition(5, 2)
+    writer = await harness.create(log, gapped)
+    await streamed_turn(writer, "fine")
+    await writer.flush()
+    await writer.abandon()
+    other = await harness.create(log, healthy)
+    await streamed_turn(other, "first")
+    await other.flush()
+    await runner.wait_for(gapped, writer.durable_seq, timeout=WAIT_S)
+    await runner.wait_for(healthy, other.durable_seq, timeout=WAIT_S)
+
+    gap_seq = await publish_record(log, gapped, closed_turn_events(writer.next_seq + 10, 9), writer.next_seq + 10)
+    await streamed_turn(other, "after the gap")
+    await other.flush()
+    state = await runner.wait_for(healthy, other.durable_seq, timeout=3)
+    await assert_equals_clean_rebuild(log, state, healthy)
+    assert [q.stream_seq for q in runner.quarantined] == [gap_seq]
+
+
+async def test_a_restart_past_a_poison_record_quarantines_the_session_when_it_goes_on(own: tuple[str, Harness]) -> None:
+    own_url, harness = own
+    log = await harness.connect(own_url)
+    poisoned, healthy = ids_in_partition(6, 2)
+    await publish_record(log, poisoned, closed_turn_events(0, 1), 0)
+    await publish_record(log, poisoned, closed_turn_events(3, 2), 3, bad_digest=True)
+    other = await harness.create(log, healthy)
+    await streamed_turn(other, "first")
+    await other.flush()
+    start = await last_stream_seq(log, "sessionlog.events.>") + 1  # as a checkpoint past the poison would
+
+    runner = await harness.runner(own_url, partitions=[6], from_seq=start)
+    await runner.wait_ready()
+    await runner.wait_for(healthy, other.durable_seq, timeout=WAIT_S)
+    after = await publish_record(log, poisoned, closed_turn_events(6, 3), 6)
+    await streamed_turn(other, "after")
+    await other.flush()
+    state = await runner.wait_for(healthy, other.durable_seq, timeout=3)
+    await assert_equals_clean_rebuild(log, state, healthy)
+    assert after in [q.stream_seq for q in runner.quarantined]

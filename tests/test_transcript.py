@@ -1,0 +1,318 @@
+"""The transcript model (`sessionlog.transcript`): what a person sees of a session, as pure data.
+
+Every append-origin event shows, in order and unchanged by any compaction; turns show their outcome; a crash's
+synthetic results, a cancelled partial answer, a failed or retried request and a fork's seed are marked; the
+incremental builder's updates, applied as a live page applies them, give exactly the snapshot.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given
+from sessiongen import SessionBuilder, generated_sessions, text_block, tool_call_block
+from test_fixtures_corpus import FIXTURE_FILES, FIXTURES_DIR, load_fixture, read_fixture
+
+from sessionlog.events import SURFACE_TYPES
+from sessionlog.repair import interrupted_turn_closers
+from sessionlog.session import Session
+from sessionlog.transcript import (
+    CompactionEntry,
+    DeltaUpdate,
+    EntryUpdate,
+    MessageEntry,
+    NoteEntry,
+    SeedEntry,
+    StreamEntry,
+    Transcript,
+    TranscriptBuilder,
+    TurnEndEntry,
+    TurnStartEntry,
+    Update,
+    build_transcript,
+    coalesce,
+    shown_blocks,
+    transcript_json,
+    transcript_plain,
+)
+
+
+def fixture(name: str) -> tuple[Session, bytes]:
+    path = FIXTURES_DIR / name
+    return load_fixture(path), read_fixture(path).header_raw
+
+
+def entries_of(transcript: Transcript, kind: type[Any]) -> list[Any]:
+    return [e for e in transcript.entries if isinstance(e, kind)]
+
+
+class Page:
+    """Applies updates the way the page's script does: entries by key, deltas appended to a block's text."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.order: list[str] = []
+
+    def apply(self, updates: list[Update]) -> None:
+        for update in updates:
+            if isinstance(update, EntryUpdate):
+                entry = msgspec.json.decode(msgspec.json.encode(update.entry))
+                key = entry["key"]
+                replaces = entry.get("replaces")
+                if key not in self.entries and replaces in self.entries:
+                    self.order[self.order.index(replaces)] = key
+                    del self.entries[replaces]
+                elif key not in self.entries:
+                    self.order.append(key)
+                self.entries[key] = entry
+            else:
+                assert isinstance(update, DeltaUpdate)
+                entry = self.entries[update.key]
+                blocks = entry.setdefault("blocks", [])
+                while len(blocks) <= update.index:
+                    blocks.append({"type": update.block})
+                block = blocks[update.index]
+                block["text"] = block.get("text", "") + update.text
+                if update.name and not block.get("name"):
+                    block["name"] = update.name
+                if update.id:
+                    block["id"] = update.id
+
+    def normalized(self) -> list[dict[str, Any]]:
+        return [_normal(self.entries[k]) for k in self.order]
+
+
+def _normal(entry: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in entry.items() if k != "last"}
+    out["blocks"] = [{k: v for k, v in b.items() if v not in ("", None, False)} for b in entry.get("blocks", [])]
+    return out
+
+
+def page_of(transcript: Transcript) -> list[dict[str, Any]]:
+    return [_normal(msgspec.json.decode(msgspec.json.encode(e))) for e in transcript.entries]
+
+
+# ---------------------------------------------------------------------------------------------- the corpus
+
+
+@pytest.mark.parametrize("path", FIXTURE_FILES, ids=lambda p: p.name.removesuffix(".jsonl"))
+def test_every_fixture_renders_every_append_origin_event_once_in_order(path: Path) -> None:
+    session = load_fixture(path)
+    transcript = build_transcript(session, read_fixture(path).header_raw)
+    messages = entries_of(transcript, MessageEntry)
+    appended = [e for e in session if e.type in SURFACE_TYPES and e.surface_op == "append"]
+    assert [m.seq for m in messages] == [e.seq for e in appended]
+    for entry, event in zip(messages, appended, strict=True):
+        message = event.data if event.type == "user/message" else event.data.message
+        assert entry.blocks == shown_blocks(message.content)
+        assert entry.event_type == event.type
+    assert len(entries_of(transcript, CompactionEntry)) == sum(1 for e in session if e.is_replace)
+    assert len(entries_of(transcript, TurnStartEntry)) == session.last_turn
+    assert len(entries_of(transcript, TurnEndEntry)) == sum(1 for e in session if e.type == "turn/end")
+    assert transcript.next_seq == len(session)
+    msgspec.json.decode(transcript_json(transcript))  # the JSON the API serves
+    assert transcript_plain(transcript) or not session.events
+
+
+@pytest.mark.parametrize("path", FIXTURE_FILES[::8], ids=lambda p: p.name.removesuffix(".jsonl"))
+def test_a_page_that_follows_the_updates_record_by_record_shows_the_snapshot(path: Path) -> None:
+    session = load_fixture(path)
+    builder = TranscriptBuilder()
+    page = Page()
+    batch: list[Update] = []
+    for event in session:
+        batch.extend(builder.add(event))
+        if event.seq % 7 == 0:  # records of a few events, as the writer batches them
+            page.apply(coalesce(batch))
+            batch = []
+    page.apply(coalesce(batch))
+    assert page.normalized() == page_of(builder.snapshot())
+
+
+@given(generated_sessions())
+def test_generated_sessions_stream_to_the_snapshot_and_the_incremental_build_equals_the_batch_one(
+    generated: Any,
+) -> None:
+    builder = TranscriptBuilder()
+    page = Page()
+    for event in generated.session:
+        page.apply(builder.add(event))
+    snapshot = builder.snapshot()
+    assert page.normalized() == page_of(snapshot)
+    assert snapshot == build_transcript(generated.session)
+
+
+# ---------------------------------------------------------------------------------------------- compaction
+
+
+def test_a_compaction_is_a_marker_and_the_messages_it_summarises_stay() -> None:
+    b = SessionBuilder()
+    b.turn_start()
+    first = b.user_message("Read a.txt, please.")
+    b.request_header()
+    b.tool_step(["call-1"], text="Reading.")
+    b.text_step("a.txt says hello.")
+    b.turn_end()
+    b.turn_start()
+    nodes = b.session.surface.nodes
+    summary = b.replace(nodes[0], nodes[-1], text="Earlier: the user asked for a.txt; it says hello.")
+    b.user_message("Thanks. Now b.txt?")
+    b.turn_end()
+    before = len(b.session.derive_messages())
+    transcript = build_transcript(b.session)
+    (marker,) = entries_of(transcript, CompactionEntry)
+    assert marker.seq == summary
+    assert (marker.first, marker.through) == (first, nodes[-1])
+    assert marker.summary[0].text.startswith("Earlier:")
+    texts = [b.text for m in entries_of(transcript, MessageEntry) for b in m.blocks]
+    assert "Read a.txt, please." in texts and "a.txt says hello." in texts and "Reading." in texts
+    assert before == 2  # the model sees the summary and the new message; the page still shows everything
+    assert f"summarised for the model: events {first}-{nodes[-1]}" in transcript_plain(transcript)
+    # the marker comes where the compaction happened, after every message it summarises
+    keys = [e.key for e in transcript.entries]
+    assert keys.index(marker.key) > keys.index(f"e{first}")
+
+
+def test_the_compacted_dsh_fixture_shows_its_marker_and_keeps_the_shadowed_message() -> None:
+    session, header = fixture("acp-agent-agent-instructions-session.jsonl")
+    transcript = build_transcript(session, header)
+    (marker,) = entries_of(transcript, CompactionEntry)
+    assert (marker.seq, marker.first, marker.through) == (17, 5, 5)
+    assert any(m.seq == 5 for m in entries_of(transcript, MessageEntry))
+
+
+# ---------------------------------------------------------------------------------------------- outcomes
+
+
+def test_a_crash_closed_turn_shows_interrupted_and_marks_its_synthetic_results() -> None:
+    session, header = fixture(
+        "examples__headless-agent__tests__semantic-checkpoint-snapshots__tool-outcome-unknown-session.jsonl"
+    )
+    transcript = build_transcript(session, header)
+    synthetic = [m for m in entries_of(transcript, MessageEntry) if m.synthetic]
+    assert [(m.seq, m.synthetic) for m in synthetic] == [(5, "TOOL_OUTCOME_UNKNOWN")]
+    ends = entries_of(transcript, TurnEndEntry)
+    assert ends[0].outcome == "interrupted" and "crash" in ends[0].detail
+    assert entries_of(transcript, SeedEntry)[0].seq == 8
+
+
+def test_our_own_closers_show_as_synthetic_results_of_both_kinds() -> None:
+    b = SessionBuilder()
+    b.turn_start()
+    b.user_message("Write two files.")
+    b.request_header()
+    b.step_start()
+    blocks = [tool_call_block("w1", "write"), tool_call_block("w2", "write")]
+    b.assistant_message(blocks, source_seqs=b.stream(blocks))
+    b.tool_call("w1", "write")
+    session = b.session.copy()
+    session.extend(interrupted_turn_closers(session))
+    transcript = build_transcript(session)
+    synthetic = {m.blocks[0].tool_call_id: m.synthetic for m in entries_of(transcript, MessageEntry) if m.synthetic}
+    assert synthetic == {"w1": "TOOL_OUTCOME_UNKNOWN", "w2": "TOOL_NOT_STARTED"}
+    assert entries_of(transcript, TurnEndEntry)[-1].outcome == "interrupted"
+
+
+def test_a_cancelled_turn_shows_the_partial_answer_and_who_cancelled() -> None:
+    transcript = build_transcript(*fixture("acp-agent-cancel-session.jsonl"))
+    answer = [m for m in entries_of(transcript, MessageEntry) if m.role == "assistant"]
+    assert answer[0].interrupted and answer[0].blocks[0].text == "partial"
+    assert entries_of(transcript, TurnEndEntry)[0].outcome == "aborted"
+    assert entries_of(transcript, TurnEndEntry)[0].detail == "cancelled by the user"
+    assert not entries_of(transcript, StreamEntry)  # the message completed its stream
+
+
+def test_a_provider_error_shows_the_failed_response_and_the_error_outcome() -> None:
+    transcript = build_transcript(*fixture("acp-agent-error-finish-session.jsonl"))
+    (failed,) = entries_of(transcript, StreamEntry)
+    assert failed.state == "failed" and "HTTP 401" in (failed.error or "")
+    end = entries_of(transcript, TurnEndEntry)[0]
+    assert end.outcome == "error" and "[AUTH]" in end.detail
+
+
+def test_a_retried_empty_response_shows_the_failed_attempt_the_retry_and_the_answer() -> None:
+    transcript = build_transcript(*fixture("acp-agent-empty-response-retry-session.jsonl"))
+    kinds = [(type(e).__name__, getattr(e, "state", None)) for e in transcript.entries]
+    assert ("StreamEntry", "retried") in kinds
+    (note,) = entries_of(transcript, NoteEntry)
+    assert "retry 1 of 2 after EMPTY_RESPONSE" in note.text
+    answer = [m for m in entries_of(transcript, MessageEntry) if m.role == "assistant"]
+    assert answer[0].blocks[0].text == "Recovered."
+    assert kinds.index(("StreamEntry", "retried")) < kinds.index(("NoteEntry", None))
+
+
+def test_a_fork_names_its_parent_and_seed_boundary() -> None:
+    session, header = fixture("acp-agent-subagent-mixed-session.2.jsonl")
+    transcript = build_transcript(session, header)
+    assert transcript.fork is not None and transcript.fork.parent
+    (seed,) = entries_of(transcript, SeedEntry)
+    assert seed.seq == 36
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+
+
+def test_a_streaming_answer_is_a_stream_entry_until_its_message_replaces_it() -> None:
+    b = SessionBuilder()
+    b.turn_start()
+    b.user_message("Say hello.")
+    b.request_header()
+    b.step_start()
+    builder = TranscriptBuilder("s")
+    builder.extend(b.session)
+    seen = len(b.session)
+    chunks = b.stream([text_block("Hello there."), tool_call_block("c1", "read", '{"path":"x"}')], pieces=lambda i: 3)
+    updates = builder.extend(b.session[seq] for seq in range(seen, len(b.session)))
+    first = updates[0]
+    assert isinstance(first, EntryUpdate) and isinstance(first.entry, StreamEntry)
+    stream_key = first.entry.key
+    deltas = [u for u in updates if isinstance(u, DeltaUpdate)]
+    assert "".join(d.text for d in deltas if d.index == 0) == "Hello there."
+    assert "".join(d.text for d in deltas if d.index == 1) == '{"path":"x"}'
+    streaming = builder.snapshot().entries[-1]
+    assert isinstance(streaming, StreamEntry)
+    assert (streaming.key, streaming.seq, streaming.last) == (stream_key, chunks[0], chunks[-1])
+    assert (streaming.state, streaming.finish) == ("finished", "tool-calls")
+    assert [(x.type, x.text, x.name) for x in streaming.blocks] == [
+        ("text", "Hello there.", None),
+        ("tool-call", '{"path":"x"}', "read"),
+    ]
+    message = b.assistant_message([text_block("Hello there."), tool_call_block("c1", "read", '{"path":"x"}')])
+    (done,) = builder.add(b.session[message])
+    assert isinstance(done, EntryUpdate) and isinstance(done.entry, MessageEntry)
+    assert done.entry.replaces == stream_key
+    assert not entries_of(builder.snapshot(), StreamEntry)
+
+
+def test_a_step_that_ends_without_its_message_leaves_a_cut_stream() -> None:
+    b = SessionBuilder()
+    b.turn_start()
+    b.user_message("Say hello.")
+    b.request_header()
+    b.step_start()
+    b.chunk({"type": "block-start", "index": 0, "blockType": "text"})
+    b.chunk({"type": "text-delta", "index": 0, "text": "Hel"})
+    b.step_end()
+    b.turn_end({"kind": "aborted", "reason": {"kind": "user"}})
+    (stream,) = entries_of(build_transcript(b.session), StreamEntry)
+    assert stream.state == "cut" and stream.blocks[0].text == "Hel"
+
+
+def test_coalesce_merges_deltas_and_keeps_only_the_last_version_of_an_entry() -> None:
+    b = SessionBuilder()
+    b.turn_start()
+    b.user_message("Go.")
+    b.request_header()
+    b.step_start()
+    b.stream([text_block("one two three four")], pieces=lambda i: 4)
+    builder = TranscriptBuilder()
+    updates = builder.extend(b.session)
+    merged = coalesce(updates)
+    assert len(merged) < len(updates)
+    page_a, page_b = Page(), Page()
+    page_a.apply(updates)
+    page_b.apply(merged)
+    assert page_a.normalized() == page_b.normalized() == page_of(builder.snapshot())

@@ -337,12 +337,6 @@ async def test_a_large_derivation_is_paged_and_the_pages_add_up(stack: Stack) ->
     assert refused.value.code == "INVALID_BOUNDARY"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: services/context_deriver/service.py:159,161 (derive): the page limit counts only the messages, "
-    "not the folded header that every page carries, so a large system prompt plus ~800 KB of messages gives a "
-    "single reply over max_payload: MaxPayloadError, answered as INTERNAL",
-)
 async def test_a_large_header_is_counted_when_paging(stack: Stack) -> None:
     await stack.deriver()
     log = await stack.connect()
@@ -402,12 +396,6 @@ async def test_bad_requests_get_typed_errors_and_the_service_keeps_serving(stack
     assert answered(reply) == expected_reply(writer.session), "still serving after every refusal"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: services/context_deriver/service.py ContextDeriverService.session: for a session that does not "
-    "exist, `derive` with min_seq answers LOG_UNAVAILABLE (after the whole timeout) on the partition's owner but "
-    "SESSION_NOT_FOUND on any other replica; the queue group picks the replica, so the code is a coin toss",
-)
 async def test_a_session_that_does_not_exist_is_not_found_whichever_replica_answers(stack: Stack) -> None:
     owner = await stack.deriver()
     other = await stack.deriver(partitions=[])
@@ -467,13 +455,6 @@ def compaction_of(session: Session) -> dict[str, Any]:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: services/context_deriver/service.py plan_replace: it plans against whatever the replica has "
-    "applied (min_seq=None), so right after a flush, on a replica whose consumer is a moment behind, a valid "
-    "compaction is refused with SEQ_NOT_CONTIGUOUS ('seq 36 is not the log length 22'); it should wait (bounded) "
-    "until it has applied the event's seq - 1, as derive does with min_seq",
-)
 async def test_plan_replace_right_after_a_flush_plans_against_the_flushed_log(stack: Stack) -> None:
     service = await stack.deriver()
     log = await stack.connect()

@@ -412,13 +412,6 @@ async def _die(service: RepairerService) -> None:
     await service.log.nc.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: services/repairer/service.py: open turns are learnt only from records this replica applies and "
-    "from log.sessions() at its own start; a replica that takes over a dead replica's partition resumes after "
-    "the dead one's checkpoint and never learns of a turn opened before it, so when that writer dies later the "
-    "turn is never closed",
-)
 async def test_a_repairer_that_takes_over_a_partition_closes_turns_opened_before_the_takeover(stack: Stack) -> None:
     a = await stack.repairer()
     b = await stack.repairer()

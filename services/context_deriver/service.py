@@ -11,7 +11,14 @@ import msgspec
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, Service
 
-from sessionlog.errors import InvalidBoundary, InvalidEvent, LogUnavailable, SessionLogError, SessionNotFound
+from sessionlog.errors import (
+    EventTooLarge,
+    InvalidBoundary,
+    InvalidEvent,
+    LogUnavailable,
+    SessionLogError,
+    SessionNotFound,
+)
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
 from sessionlog.micro import spawning
@@ -97,6 +104,9 @@ class ContextDeriverService:
     async def session(self, session_id: str, *, min_seq: int | None, timeout: float) -> Session:
         """The session as this replica can vouch for it, reflecting at least `min_seq` when given."""
         check_session_id(session_id)
+        unknown = session_id not in self.runner.states and await self.log.header(session_id) is None
+        if unknown and await self.log.reader.last_record(session_id) is None:  # every replica answers the same
+            raise SessionNotFound(f"session {session_id} not found")
         if self.runner.owns(session_id):
             if min_seq is not None:
                 try:
@@ -158,9 +168,14 @@ class ContextDeriverService:
             "open_step": [session.open_turn, session.open_step.number] if session.open_step is not None else None,
         }
         limit = int(self.log.nc.max_payload * PAGE_FRACTION)
-        if len(messages_body) + 1024 <= limit and page == 0:
+        head = len(msgspec.json.encode(reply)) + 64  # every page carries the header and the envelope
+        if head + len(messages_body) <= limit and page == 0:
             return _with_messages(reply, messages_body)
-        pages = _pages([m.canonical for m in session.derive_messages()], limit - 2048)
+        if head + 1024 > limit:
+            raise EventTooLarge(
+                f"session {session_id}: the folded header alone is {head} bytes, over a reply's {limit}"
+            )
+        pages = _pages([m.canonical for m in session.derive_messages()], limit - head - 64)
         if page >= len(pages):
             raise InvalidBoundary(f"page {page} does not exist; the derivation has {len(pages)} pages")
         if page + 1 < len(pages):
@@ -172,7 +187,10 @@ class ContextDeriverService:
         event = body.get("event")
         if not isinstance(event, dict):
             raise InvalidEvent("plan_replace: `event` must be an event object")
-        session = await self.session(session_id, min_seq=None, timeout=self.log.settings.request_timeout_s)
+        seq = event.get("seq")
+        # A dry run right after a flush must see that flush: wait for the seq before the event's own.
+        min_seq = seq - 1 if type(seq) is int and seq > 0 else None
+        session = await self.session(session_id, min_seq=min_seq, timeout=self.log.settings.request_timeout_s)
         try:
             _, plan = session.plan(msgspec.json.encode(event))
         except SessionLogError as err:

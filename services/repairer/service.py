@@ -76,9 +76,7 @@ class RepairerService:
 
     async def _start(self) -> None:
         await self.runner.start()
-        for info in await self.log.sessions():
-            if info.open_turn:
-                self.projection.open_turns.setdefault(info.id, info.open_turn)
+        await self._learn_open_turns()
         self._service = await add_service(
             self.log.nc, name=SERVICE, version="0.1.0", description="closes turns whose writer died"
         )
@@ -90,6 +88,13 @@ class RepairerService:
 
     def health(self) -> dict[str, Any]:
         return self.runner.health()
+
+    async def _learn_open_turns(self) -> None:
+        """Every session whose last record says a turn is open: turns that no record of ours will ever show (a
+        writer that died before this replica started, or before it took over the session's partition)."""
+        for info in await self.log.sessions():
+            if info.open_turn:
+                self.projection.open_turns.setdefault(info.id, info.open_turn)
 
     async def stop(self) -> None:
         if self._watch is not None:
@@ -140,8 +145,13 @@ class RepairerService:
     async def _watch_loop(self) -> None:
         grace = self.settings.repair_grace_s
         period = max(0.1, min(grace, self.settings.lease_ttl_s) / 2)
+        owned: list[int] = []
         while True:
             await asyncio.sleep(period)
+            if self.runner.owned != owned:  # partitions moved to us: learn their open turns
+                owned = self.runner.owned
+                with contextlib.suppress(Exception):
+                    await self._learn_open_turns()
             now = time.monotonic()
             for session_id in list(self.projection.open_turns):
                 if not self.runner.owns(session_id):

@@ -643,16 +643,17 @@ async def test_a_deriver_killed_mid_stream_and_restarted_equals_a_clean_rebuild(
             return False
 
         await eventually(owns_all, "the restarted deriver owns every partition")
+        seen: dict[int, Any] = {}
         for number, seq in resume_at.items():  # it resumed after its checkpoint, not from the start
-            durable = f"context-deriver-p{number}"
 
-            async def resumed(durable: str = durable, seq: int = seq) -> bool:
+            async def resumed(number: int = number, seq: int = seq) -> bool:
                 with contextlib.suppress(Exception):  # deleted and created again by the new owner
-                    info = await log.js.consumer_info(log.settings.stream, durable)
+                    info = await log.js.consumer_info(log.settings.stream, f"context-deriver-p{number}")
+                    seen[number] = (info.config.opt_start_seq, info.created)
                     return bool(info.config.opt_start_seq == seq + 1)
                 return False
 
-            await eventually(resumed, f"partition {number} consumer restarted at checkpoint {seq} + 1")
+            await eventually(resumed, f"partition {number} restarted at {seq} + 1 (seen {seen}, {resume_at})")
         await asyncio.sleep(1.0)
     finally:
         stop.set()

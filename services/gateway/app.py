@@ -43,6 +43,7 @@ from starlette.routing import Route
 from sessionlog.errors import LogUnavailable, SessionLogError, StructureInvalid
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
+from sessionlog.record import H_RAW_OUTCOME, H_RAW_SESSION_SEQ, H_RAW_STATUS
 from sessionlog.settings import Settings
 from sessionlog.wire import Divergence, InvalidRequest, WireCache, compare_request, parse_request, to_wire
 
@@ -139,7 +140,7 @@ class _Call:
     def tee_headers(self) -> dict[str, str]:
         headers = {H_REQUEST_ID: self.request_id, "Sessionlog-Route": self.route}
         if self.derivation is not None:
-            headers["Sessionlog-Session-Seq"] = str(self.derivation.seq)
+            headers[H_RAW_SESSION_SEQ] = str(self.derivation.seq)
         return headers
 
 
@@ -445,7 +446,7 @@ class Gateway:
             )
 
     def _response_headers(self, call: _Call, status: int, outcome: str) -> dict[str, str]:
-        return {**call.tee_headers(), "Sessionlog-Upstream-Status": str(status), "Sessionlog-Outcome": outcome}
+        return {**call.tee_headers(), H_RAW_STATUS: str(status), H_RAW_OUTCOME: outcome}
 
     def _finish(
         self,

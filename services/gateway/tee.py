@@ -20,16 +20,16 @@ from typing import Final
 
 from nats.js import JetStreamContext
 
-from sessionlog.record import raw_subject
+from sessionlog.record import H_RAW_KIND, H_RAW_PART, H_RAW_PARTS, H_RAW_REQUEST_ID, raw_subject
 
 from .metrics import GatewayMetrics
 
 log = logging.getLogger("sessionlog.gateway")
 
-H_REQUEST_ID: Final = "Sessionlog-Request-Id"
-H_KIND: Final = "Sessionlog-Kind"
-H_PART: Final = "Sessionlog-Part"
-H_PARTS: Final = "Sessionlog-Parts"
+H_REQUEST_ID: Final = H_RAW_REQUEST_ID
+H_KIND: Final = H_RAW_KIND
+H_PART: Final = H_RAW_PART
+H_PARTS: Final = H_RAW_PARTS
 # Room left in a NATS message for the headers.
 _HEADER_ROOM: Final = 4096
 

@@ -68,6 +68,16 @@ from .events import (
     Usage,
     UsageChunk,
 )
+from .record import (
+    H_RAW_KIND,
+    H_RAW_OUTCOME,
+    H_RAW_PART,
+    H_RAW_PARTS,
+    H_RAW_REQUEST_ID,
+    H_RAW_SESSION_SEQ,
+    H_RAW_STATUS,
+    raw_subject,
+)
 from .session import DerivedMessages, FoldedHeader, Session
 from .wire import WireCache, compare_request
 
@@ -213,22 +223,6 @@ class RawResponse:
     usage: dict[str, Any] | None = None
     chunks: int = 0
     error: str | None = None
-
-
-# The raw tee's wire names, as the gateway writes them (services/gateway/tee.py): every forwarded request is two
-# entries on `sessionlog.raw.<session>`, kind `request` (the bytes sent upstream) then kind `response` (the body as
-# the provider sent it), each possibly split into parts that concatenate in order.
-H_RAW_REQUEST_ID: Final = "Sessionlog-Request-Id"
-H_RAW_KIND: Final = "Sessionlog-Kind"
-H_RAW_PART: Final = "Sessionlog-Part"
-H_RAW_PARTS: Final = "Sessionlog-Parts"
-H_RAW_SESSION_SEQ: Final = "Sessionlog-Session-Seq"
-H_RAW_STATUS: Final = "Sessionlog-Upstream-Status"
-H_RAW_OUTCOME: Final = "Sessionlog-Outcome"
-
-
-def raw_subject(session_id: str) -> str:
-    return f"sessionlog.raw.{session_id}"
 
 
 class RawAssembler:

@@ -48,6 +48,17 @@ def partition_filter(partition: int) -> str:
 ALL_EVENTS: Final = "sessionlog.events.>"
 
 
+# The raw tee's headers (the gateway writes them, the token-auditor reads them): every forwarded request is two
+# entries on `sessionlog.raw.<session>`, kind `request` then kind `response`, each possibly split into parts.
+H_RAW_REQUEST_ID: Final = "Sessionlog-Request-Id"
+H_RAW_KIND: Final = "Sessionlog-Kind"
+H_RAW_PART: Final = "Sessionlog-Part"
+H_RAW_PARTS: Final = "Sessionlog-Parts"
+H_RAW_SESSION_SEQ: Final = "Sessionlog-Session-Seq"
+H_RAW_STATUS: Final = "Sessionlog-Upstream-Status"
+H_RAW_OUTCOME: Final = "Sessionlog-Outcome"
+
+
 def raw_subject(session_id: str) -> str:
     """The raw audit stream's subject of one session: the gateway's exact request and response bytes."""
     return f"sessionlog.raw.{session_id}"

@@ -179,6 +179,8 @@ class SessionLog:
             keys = await self._kv_sessions.keys()
         except (NotFoundError, NoKeysError):
             return []
+        except (nats.errors.Error, nats.js.errors.Error) as err:
+            raise LogUnavailable(f"the session list did not answer ({type(err).__name__}: {err})") from None
         out: list[SessionInfo] = []
         for key in keys:
             header = await self.header(key)
@@ -368,7 +370,12 @@ class SessionLog:
     async def _acquire(self, session_id: str) -> _LeaseKeeper:
         check_session_id(session_id)
         holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        lease = await self.leases.acquire(session_id, holder, self.settings.lease_ttl_s)
+        try:
+            lease = await self.leases.acquire(session_id, holder, self.settings.lease_ttl_s)
+        except (nats.errors.Error, nats.js.errors.Error) as err:
+            if isinstance(err, nats.js.errors.APIError) and err.code != 503:
+                raise
+            raise LogUnavailable(f"session {session_id}: the lease bucket did not answer ({err})") from None
         return _LeaseKeeper(self.leases, lease, self.settings.effective_lease_refresh_s)
 
     # ---------------------------------------------------------------------------------- blobs
@@ -708,6 +715,8 @@ class SessionWriter:
         if self._failed is None:
             self._failed = error
             log.warning("writer fenced: %s", error)
+            # A fenced writer writes nothing more: stop refreshing, so the repairer can close its turn.
+            asyncio.get_running_loop().create_task(self._lease.stop())
         for _, future in self._waiters:
             if not future.done():
                 future.set_exception(error)

@@ -20,7 +20,7 @@ def test_the_demo_runs_and_every_check_passes(tmp_path: Path) -> None:
         COLUMNS="160",
     )
     done = subprocess.run(
-        [sys.executable, "-m", "sessionlog", "demo"], env=env, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "sessionlog", "demo"], env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "FAILED" not in done.stdout

@@ -56,6 +56,7 @@ from .record import HEADER_ALLOWANCE, Record, encode_payload, events_filter, in_
 from .session import Session
 from .settings import Settings
 from .surface import ReplaceOp
+from .tasks import cancel_and_wait
 
 log = logging.getLogger("sessionlog.writer")
 
@@ -411,6 +412,7 @@ class _LeaseKeeper:
         self.lease = lease
         self._interval = interval_s
         self._callbacks: list[Any] = []
+        self._stopping = False
         self._task: asyncio.Task[None] | None = asyncio.create_task(self._run(), name=f"lease-{lease.session_id}")
 
     @property
@@ -421,8 +423,11 @@ class _LeaseKeeper:
         self._callbacks.append(callback)
 
     async def _run(self) -> None:
+        # The flag, not only the cancel, ends the loop: a cancel that lands with a refresh reply can be swallowed.
         while True:
             await asyncio.sleep(self._interval)
+            if self._stopping:
+                return
             try:
                 self.lease = await self._leases.refresh(self.lease)
             except LeaseLost as err:
@@ -444,16 +449,20 @@ class _LeaseKeeper:
             return None
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        self._stopping = True
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
 
     async def release(self) -> None:
         await self.stop()
-        with contextlib.suppress(LeaseLost):
+        try:
             await self._leases.release(self.lease)
+        except LeaseLost:
+            # A refresh cancelled in flight may have landed after all: the lease is then ours at its newer revision.
+            current = await self._current()
+            if current is not None and current.holder == self.lease.holder and current.epoch == self.lease.epoch:
+                with contextlib.suppress(LeaseLost):
+                    await self._leases.release(current)
 
 
 class RecordPublisher:
@@ -681,17 +690,13 @@ class SessionWriter:
                 await self.flush()
         finally:
             self._closed = True
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait(self._task)
             await self._lease.release()
 
     async def abandon(self) -> None:
         """Stop without flushing or releasing the lease (a crash, as far as the log can tell)."""
         self._closed = True
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._task
+        await cancel_and_wait(self._task)
         await self._lease.stop()
 
     async def __aenter__(self) -> SessionWriter:
@@ -724,7 +729,7 @@ class SessionWriter:
         self._wake.set()
 
     async def _run(self) -> None:
-        while True:
+        while not self._closed:  # a swallowed cancel (see tasks.py) must not keep a closed writer's loop alive
             await self._wake.wait()
             self._wake.clear()
             if self._timer is not None:

@@ -2,9 +2,9 @@
 and findings, as data, wherever the log disagrees with itself or with the provider's raw bytes. Pure: no I/O.
 
 `SessionAuditor` is fed a session's events in order (`add(event, session)`, the `Session` the event was just
-appended to) and the gateway's raw exchanges (`add_raw`), in any order relative to each other. It assembles every
-attempt chunk by chunk, so its cost per chunk is a few dictionary operations. `audit_session(session, raw)` is the
-same for a whole log.
+appended to; or `feed(events, session)`, which appends a batch to the session, the gate that validates, and takes
+each) and the gateway's raw exchanges (`add_raw`), in any order relative to each other. It assembles every attempt
+chunk by chunk: a text delta costs two list appends. `audit_session(session, raw)` is the same for a whole log.
 
 What is an attempt. A step may make several requests (a retried empty response): a `finish` chunk or an
 `llm/retry` event closes the current attempt, and the next chunk opens another. An `assistant/message` (an append;
@@ -647,7 +647,7 @@ class SessionAuditor:
     def feed(self, events: Iterable[bytes | Event], session: Session) -> None:
         """Append each event to `session` (the gate that validates it: a refused event raises and is not taken)
         and take it, as `add` does. The bulk of a stream, a text delta to the block the previous delta went to,
-        is taken here inline: a method call per chunk was a fifth of the auditor's time."""
+        is taken here inline, without a method call per chunk."""
         append = session.append
         text_delta = TextDeltaChunk
         for item in events:

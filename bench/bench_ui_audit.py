@@ -181,6 +181,7 @@ async def auditor(log: SessionLog) -> dict[str, Any]:
             state.apply(record)
         elapsed = time.perf_counter() - start
         assert state.auditor.findings == [], state.auditor.findings[:3]
+        assert state.auditor.chunks == chunks  # it took every chunk, not a shortcut past them
         return elapsed
 
     floor_s = audit_s = float("inf")

@@ -4,6 +4,7 @@ that does not rebuild from the log, a raw provider stream that is not what the a
 
 from __future__ import annotations
 
+import gc
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ from sessionlog.audit import (
     parse_step,
     step_chunks,
 )
+from sessionlog.errors import StructureInvalid
 from sessionlog.events import UsageChunk
 from sessionlog.session import Session
 from sessionlog.wire import to_wire
@@ -152,6 +154,45 @@ def test_the_retried_step_is_charged_for_both_requests() -> None:
 def test_a_step_whose_deltas_differ_from_its_block_end_is_noted_for_replay() -> None:
     auditor = audit_session(load_fixture(FIXTURES_DIR / "web-goal-multi-turn-actions-session.jsonl"))
     assert auditor.step_report(1, 3).delta_mismatches == (504,)
+
+
+def audit_state(auditor: SessionAuditor) -> Any:
+    """Everything the auditor holds and answers, as plain data: its report and every step as replay shows it."""
+    steps = [auditor.step_report(turn, step) for turn, step in auditor.steps]
+    return msgspec.to_builtins((auditor.report(), steps))
+
+
+@pytest.mark.parametrize("path", FIXTURE_FILES, ids=lambda p: p.name.removesuffix(".jsonl"))
+def test_a_fed_batch_of_bytes_audits_exactly_as_events_taken_one_by_one(path: Path) -> None:
+    one_by_one = SessionAuditor(path.name)
+    replay = Session()
+    for event in load_fixture(path):
+        one_by_one.add(replay.append(event), replay)
+    fed = SessionAuditor(path.name)
+    fed.feed(read_fixture(path).events, Session())  # the bytes, as the service's records carry them
+    assert audit_state(fed) == audit_state(one_by_one)
+    assert fed.events == len(replay)
+
+
+def test_a_refused_event_stops_a_feed_and_nothing_after_it_is_audited() -> None:
+    events = list(read_fixture(FIXTURE).events)
+    bad = next(i for i, raw in enumerate(events) if b'"text-delta"' in raw) + 1
+    assert b'"text-delta"' in events[bad]
+    events[bad] = events[bad].replace(b'"step":2', b'"step":3', 1)
+    auditor = SessionAuditor()
+    session = Session()
+    with pytest.raises(StructureInvalid):
+        auditor.feed(events, session)
+    assert len(session) == auditor.events == bad
+    assert auditor.chunks == sum(1 for raw in events[:bad] if b'"assistant/chunk"' in raw)
+
+
+def test_the_chunks_a_session_keeps_are_not_tracked_by_the_garbage_collector() -> None:
+    # The auditor's session keeps every chunk of a stream: tracked ones made each collection walk them all. (A
+    # delta holds no container, so msgspec leaves it untracked; a block-end or usage chunk, one per block, is.)
+    chunks = [e for e in load_fixture(FIXTURE) if e.type == "assistant/chunk"]
+    assert chunks
+    assert not any(gc.is_tracked(e) or gc.is_tracked(e.data) for e in chunks)
 
 
 # ---------------------------------------------------------------------------------------------- tampering

@@ -62,11 +62,8 @@ class AuditState(SessionState):
         self.auditor = SessionAuditor(session_id, model_aliases=model_aliases)
 
     def apply(self, record: Record) -> None:
-        session = self.session
-        add = self.auditor.add
         # The session validates (and may refuse, changing nothing) before the auditor sees the event.
-        for raw in record.events:
-            add(session.append(raw), session)
+        self.auditor.feed(record.events, self.session)
 
 
 class TokenAuditor(Projection[AuditState]):

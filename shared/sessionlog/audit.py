@@ -2,9 +2,9 @@
 and findings, as data, wherever the log disagrees with itself or with the provider's raw bytes. Pure: no I/O.
 
 `SessionAuditor` is fed a session's events in order (`add(event, session)`, the `Session` the event was just
-appended to) and the gateway's raw exchanges (`add_raw`), in any order relative to each other. It assembles every
-attempt chunk by chunk, so its cost per chunk is a few dictionary operations. `audit_session(session, raw)` is the
-same for a whole log.
+appended to; or `feed(events, session)`, which appends a batch to the session, the gate that validates, and takes
+each) and the gateway's raw exchanges (`add_raw`), in any order relative to each other. It assembles every attempt
+chunk by chunk: a text delta costs two list appends. `audit_session(session, raw)` is the same for a whole log.
 
 What is an attempt. A step may make several requests (a retried empty response): a `finish` chunk or an
 `llm/retry` event closes the current attempt, and the next chunk opens another. An `assistant/message` (an append;
@@ -644,26 +644,38 @@ class SessionAuditor:
 
     # ------------------------------------------------------------------------------------------ feeding
 
+    def feed(self, events: Iterable[bytes | Event], session: Session) -> None:
+        """Append each event to `session` (the gate that validates it: a refused event raises and is not taken)
+        and take it, as `add` does. The bulk of a stream, a text delta to the block the previous delta went to,
+        is taken here inline, without a method call per chunk."""
+        append = session.append
+        text_delta = TextDeltaChunk
+        for item in events:
+            event = append(item)
+            if event.type == "assistant/chunk":
+                data = event.data
+                chunk = data.chunk
+                attempt = self._attempt
+                if (
+                    attempt is not None
+                    and type(chunk) is text_delta
+                    and chunk.index == attempt.last_index
+                    and not attempt.closed
+                    and attempt.step == data.step
+                    and attempt.turn == data.turn
+                ):
+                    seq = event.seq
+                    attempt.chunk_seqs.append(seq)
+                    attempt.last_parts.append(chunk.text)
+                    self.events = seq + 1
+                    continue
+            self.add(event, session)
+
     def add(self, event: Event, session: Session) -> None:
         """Take the next event; `session` is the log it was just appended to."""
         self.events = event.seq + 1
         kind = event.type
         if kind == "assistant/chunk":
-            # The hot path, inline: a text delta to the block the previous delta went to.
-            data = event.data
-            attempt = self._attempt
-            chunk = data.chunk
-            if (
-                attempt is not None
-                and type(chunk) is TextDeltaChunk
-                and chunk.index == attempt.last_index
-                and not attempt.closed
-                and attempt.step == data.step
-                and attempt.turn == data.turn
-            ):
-                attempt.chunk_seqs.append(event.seq)
-                attempt.last_parts.append(chunk.text)
-                return
             self._chunk(event, session)
         elif kind == "assistant/message":
             if not event.is_replace:
@@ -767,7 +779,7 @@ class SessionAuditor:
             step.messages.append(event.seq)
         where = f"assistant/message at seq {event.seq} (step {data.turn}.{data.step})"
         seqs = event.source_event_seqs if isinstance(event.source_event_seqs, list) else []
-        if attempt is None:
+        if step is None or attempt is None:
             self._unstreamed.append(event)
             if data.usage is not UNSET:
                 self._charge(_source_model(event), data.usage)
@@ -784,13 +796,19 @@ class SessionAuditor:
         attempt.closed = True
         if self._attempt is attempt:
             self._attempt = None
-        # Provenance: every chunk of its attempt, and nothing that is not a chunk of this step.
-        covered = set(seqs)
-        missing = [s for s in attempt.chunk_seqs if s not in covered]
-        step_chunks = (
-            {s for a in step.attempts if a.message is None or a is attempt for s in a.chunk_seqs} if step else set()
-        )
-        foreign = sorted(s for s in covered if s not in step_chunks)
+        # Provenance: every chunk of its attempt, and nothing that is not a chunk of this step (chunks of the step's
+        # attempts no message took may be named). A message names hundreds of chunks: compare lists and sets in C.
+        own = attempt.chunk_seqs
+        missing: list[int] = []
+        foreign: list[int] = []
+        if seqs != own:
+            covered = set(seqs)
+            if not covered.issuperset(own):
+                missing = [s for s in own if s not in covered]
+            rest = covered.difference(own)
+            if rest:
+                rest.difference_update(s for a in step.attempts if a.message is None for s in a.chunk_seqs)
+                foreign = sorted(rest)
         if missing or foreign:
             parts = []
             if missing:
@@ -1089,10 +1107,7 @@ def audit_session(
 ) -> SessionAuditor:
     """The audit of a whole log and the raw exchanges the gateway recorded for it."""
     auditor = SessionAuditor(session_id, model_aliases=model_aliases)
-    replay = Session()
-    for event in session:
-        replay.append(event)
-        auditor.add(event, replay)
+    auditor.feed(session, Session())
     for exchange in raw:
         auditor.add_raw(exchange)
     return auditor

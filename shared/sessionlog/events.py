@@ -190,7 +190,10 @@ class StepData(_Wire, frozen=True):
     step: PosInt
 
 
-class AssistantChunkData(_Wire, frozen=True):
+class AssistantChunkData(_Wire, frozen=True, gc=False):
+    """gc=False (as `Event`): most events of a log are chunks and every session holder keeps them all, so tracked
+    chunk data made each garbage collection walk the whole stream. Decoded, frozen data forms no cycles."""
+
     turn: PosInt
     step: PosInt
     chunk: Chunk

@@ -521,6 +521,40 @@ async def test_a_publish_retried_after_a_forced_timeout_lands_exactly_once(
     assert await log.reader.events(sid) == raws(written + more)
 
 
+async def test_a_flush_cancelled_while_its_record_is_in_flight_lands_it_exactly_once_and_is_not_a_conflict(
+    fresh_server: EmbeddedServer, logs: Logs
+) -> None:
+    # A flush publishes from its caller's task when nothing else is publishing; cancelling that caller after the
+    # record was sent leaves it in doubt. The server (frozen) stores it late; the retry must settle by digest.
+    log = await logs.connect(fresh_server.url, request_timeout_s=3.0, lease_ttl_s=10.0)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    written = await closed_turn(writer)
+    await writer.flush()
+    pid = fresh_server.pid
+    assert pid is not None
+
+    await freeze(pid)
+    try:
+        written += await closed_turn(writer, "In flight when the flush is cancelled.")
+        flushing = asyncio.create_task(writer.flush())
+        await asyncio.sleep(0.2)  # the record is on the wire; no ack can come
+        assert not flushing.done()
+        flushing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await flushing
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    assert await asyncio.wait_for(writer.flush(), WAIT_S) == len(written) - 1
+    records = await log.reader.records(sid)
+    assert_contiguous(records)
+    assert [e for r in records for e in r.events] == raws(written)
+    more = await closed_turn(writer, "After.")
+    await writer.flush()
+    assert await log.reader.events(sid) == raws(written + more)
+
+
 async def test_a_lease_refresh_that_timed_out_but_landed_does_not_fence_the_writer(
     fresh_server: EmbeddedServer, logs: Logs
 ) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -465,6 +464,17 @@ class _LeaseKeeper:
                     await self._leases.release(current)
 
 
+class _PubAck(msgspec.Struct):
+    """JetStream's answer to a publish: an ack or an error object (decoded once, in C, on the hot path)."""
+
+    seq: int = 0
+    duplicate: bool = False
+    error: dict[str, Any] | None = None
+
+
+_pub_ack: Final = msgspec.json.Decoder(_PubAck)
+
+
 class RecordPublisher:
     """Publishes records of one session with optimistic concurrency and safe retries."""
 
@@ -474,8 +484,13 @@ class RecordPublisher:
         self._epoch = epoch
         self._subject = in_subject(session_id)
 
-    async def publish(self, events: list[bytes], first_seq: int, expected_last: int, open_turn: int) -> int:
-        """Publish one record; return its stream seq. Raises `CONFLICT`, `LOG_UNAVAILABLE` or `LOG_FULL`."""
+    async def publish(
+        self, events: list[bytes], first_seq: int, expected_last: int, open_turn: int, *, in_doubt: bool = False
+    ) -> int:
+        """Publish one record; return its stream seq. Raises `CONFLICT`, `LOG_UNAVAILABLE` or `LOG_FULL`.
+
+        `in_doubt`: an earlier attempt at this record was interrupted and may have landed, so a "wrong last sequence"
+        answer is settled by the stored record's digest, as after a timeout."""
         payload = encode_payload(events)
         headers = record_headers(
             session_id=self._session_id,
@@ -489,7 +504,7 @@ class RecordPublisher:
         budget = self._log.settings.request_timeout_s
         deadline = time.monotonic() + budget
         attempt_timeout = max(0.05, budget / 3)
-        timed_out = False
+        timed_out = in_doubt
         delay = 0.02
         while True:
             remaining = deadline - time.monotonic()
@@ -509,12 +524,19 @@ class RecordPublisher:
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.5)
                 continue
-            body = json.loads(reply.data)
-            error = body.get("error")
+            try:
+                ack = _pub_ack.decode(reply.data)
+            except msgspec.DecodeError as exc:
+                raise LogUnavailable(
+                    f"session {self._session_id}: publish answered with something that is not a JetStream ack "
+                    f"({exc}); nothing after seq {first_seq - 1} is reported written",
+                    seq=first_seq,
+                ) from None
+            error = ack.error
             if error is None:
-                if body.get("duplicate"):
-                    return await self._settle_duplicate(int(body["seq"]), headers, first_seq)
-                return int(body["seq"])
+                if ack.duplicate:
+                    return await self._settle_duplicate(ack.seq, headers, first_seq)
+                return ack.seq
             code = error.get("err_code")
             if code == ERR_WRONG_LAST_SEQUENCE:
                 if timed_out:
@@ -582,6 +604,8 @@ class SessionWriter:
         self._max_events = settings.write_max_events
         self._max_bytes = log.max_record_bytes
         self._pending_bytes = 2
+        self._draining = False  # a publish loop (`_drain`) is running, in the background task or in a flush
+        self._in_doubt = False  # the last publish attempt was interrupted: it may have landed
         self._task = asyncio.create_task(self._run(), name=f"sessionlog-writer-{session_id}")
         lease.on_lost(self._lease_lost)
 
@@ -676,6 +700,13 @@ class SessionWriter:
         target = len(self._session)
         if self._durable >= target:
             return self._durable - 1
+        if not self._draining:
+            # Nothing is being published: publish from here, saving two hops through the background task (the
+            # per-flush latency is what an agent pays before every provider request and tool body).
+            await self._drain()
+            self._raise_if_failed()
+            if self._durable >= target:
+                return self._durable - 1
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiters.append((target, future))
         self._wake.set()
@@ -732,18 +763,35 @@ class SessionWriter:
         while not self._closed:  # a swallowed cancel (see tasks.py) must not keep a closed writer's loop alive
             await self._wake.wait()
             self._wake.clear()
+            if self._failed is not None:
+                return
+            if not self._draining:  # a flush publishing in its own task takes everything queued meanwhile too
+                await self._drain()
+
+    async def _drain(self) -> None:
+        """Publish queued events as records until none is left (or the writer is fenced)."""
+        self._draining = True
+        try:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            if self._failed is not None:
-                return
             while self._pending and self._failed is None:
                 batch, size = self._take_batch()
                 first = self._pending_first
                 try:
                     stream_seq = await self._publisher.publish(
-                        batch, first, self._last_stream_seq, self._pending_turns[len(batch) - 1]
+                        batch,
+                        first,
+                        self._last_stream_seq,
+                        self._pending_turns[len(batch) - 1],
+                        in_doubt=self._in_doubt,
                     )
+                except asyncio.CancelledError:
+                    # The record may have landed; whoever publishes next settles that by its digest, and the
+                    # background task carries on with what is queued for the other flushes.
+                    self._in_doubt = True
+                    self._wake.set()
+                    raise
                 except SessionLogError as err:
                     self._fence(err)
                     return
@@ -756,6 +804,7 @@ class SessionWriter:
                         )
                     )
                     return
+                self._in_doubt = False
                 del self._pending[: len(batch)]
                 del self._pending_turns[: len(batch)]
                 self._pending_bytes -= size
@@ -763,6 +812,8 @@ class SessionWriter:
                 self._last_stream_seq = stream_seq
                 self._durable = self._pending_first
                 self._resolve()
+        finally:
+            self._draining = False
 
     def _take_batch(self) -> tuple[list[bytes], int]:
         size = 2

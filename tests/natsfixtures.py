@@ -7,10 +7,12 @@ module-scoped `nc` / `js` must run on the module's event loop: mark them
 `asyncio_default_test_loop_scope = "module"` in pyproject.
 
 `nats_server` is one embedded server per test module, on a free port in a temporary folder, killed at the end;
-`provisioned` is the log layout provisioned there once. With `SESSIONLOG_TEST_NATS_URL` set, tests use that
-server instead and start nothing. The event stream's subjects are fixed (`sessionlog.in.*`) and stream subjects
-may not overlap within an account, so one server holds one log: a test that needs its own layout (other
-settings, a mismatch) takes `fresh_server` / `fresh_js`, a server of its own (starting one takes ~50 ms).
+`provisioned` is the log layout provisioned there once. With `SESSIONLOG_TEST_NATS_URL` set, tests use that server
+instead and start nothing. With `SESSIONLOG_TEST_NATS=testcontainers` (and a Docker engine), each module's server
+is the official NATS image (`SESSIONLOG_TEST_NATS_IMAGE`, default `nats:2.11`) started by testcontainers. The event
+stream's subjects are fixed (`sessionlog.in.*`) and stream subjects may not overlap within an account, so one
+server holds one log: a test that needs its own layout (other settings, a mismatch) takes `fresh_server` /
+`fresh_js`, a server of its own (starting one takes ~50 ms).
 Tests sharing a server use session ids of their own (`new_session_id()`).
 
 PYTEST_DONT_REWRITE: this module holds no assertions, and test modules import its helpers before pytest
@@ -22,6 +24,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,9 @@ from sessionlog.provision import provision
 from sessionlog.settings import Settings
 
 TEST_URL_ENV = "SESSIONLOG_TEST_NATS_URL"
+TEST_BACKEND_ENV = "SESSIONLOG_TEST_NATS"  # "embedded" (default) or "testcontainers"
+TEST_IMAGE_ENV = "SESSIONLOG_TEST_NATS_IMAGE"
+DEFAULT_IMAGE = "nats:2.11"
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,38 @@ class ExternalServer:
     """A server the environment provides (SESSIONLOG_TEST_NATS_URL); tests cannot kill or restart it."""
 
     url: str
+
+
+class BackendUnavailable(RuntimeError):
+    """The test server backend the environment asks for cannot start here."""
+
+
+def docker_available() -> bool:
+    """Whether a Docker engine answers (testcontainers needs one; the CI machines here have none)."""
+    try:
+        import docker  # type: ignore[import-untyped]
+    except ImportError:
+        return False
+    try:
+        client = docker.from_env(timeout=3)
+        client.ping()
+    except Exception:
+        return False
+    return True
+
+
+@contextmanager
+def container_server(image: str | None = None) -> Iterator[ExternalServer]:
+    """The official NATS image with JetStream, started by testcontainers; removed when the block ends."""
+    if not docker_available():
+        raise BackendUnavailable(
+            f"{TEST_BACKEND_ENV}=testcontainers needs the testcontainers package and a running Docker engine, and "
+            "none answers here; unset it to use the embedded nats-server"
+        )
+    from testcontainers.community.nats import NatsContainer  # type: ignore[import-untyped]
+
+    with NatsContainer(image or os.environ.get(TEST_IMAGE_ENV, DEFAULT_IMAGE), jetstream=True) as container:
+        yield ExternalServer(container.nats_uri())
 
 
 def start_server(data_dir: Path, **options: Any) -> EmbeddedServer:
@@ -67,6 +105,13 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedSe
     if url:
         yield ExternalServer(url)
         return
+    backend = os.environ.get(TEST_BACKEND_ENV, "embedded")
+    if backend == "testcontainers":
+        with container_server() as container:
+            yield container
+        return
+    if backend != "embedded":
+        raise BackendUnavailable(f"{TEST_BACKEND_ENV} must be 'embedded' or 'testcontainers', got {backend!r}")
     server = start_server(tmp_path_factory.mktemp("nats"))
     try:
         yield server

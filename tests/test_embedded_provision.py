@@ -17,7 +17,7 @@ import nats.js.errors
 import pytest
 import pytest_asyncio
 from nats.js import JetStreamContext
-from natsfixtures import log_settings, new_session_id
+from natsfixtures import BackendUnavailable, container_server, docker_available, log_settings, new_session_id
 
 from sessionlog.connection import connect, stop_embedded
 from sessionlog.embedded import (
@@ -455,3 +455,31 @@ def test_a_killed_meta_leader_is_replaced_and_rejoins(nats_cluster: Cluster) -> 
     assert new != old
     nats_cluster.restart(old)
     assert nats_cluster[old].running
+
+
+# ---------------------------------------------------------------------------------------------- testcontainers
+
+
+@pytest.mark.skipif(docker_available(), reason="a Docker engine answers here: the container test runs instead")
+def test_choosing_testcontainers_without_a_docker_engine_is_a_clear_error_not_a_hang() -> None:
+    refusal = pytest.raises(BackendUnavailable, match="needs the testcontainers package and a running Docker engine")
+    with refusal, container_server():
+        pass
+
+
+@pytest.mark.skipif(not docker_available(), reason="no Docker engine answers here (CI has none)")
+@on_module_loop
+async def test_the_official_nats_image_started_by_testcontainers_holds_a_session() -> None:
+    from sessionlog.log import SessionLog
+
+    with container_server() as server:
+        log = await SessionLog.connect(log_settings(server.url))
+        try:
+            writer = await log.create(new_session_id())
+            first = await writer.emit("turn/start", {"turn": 1})
+            assert await writer.flush() == 0
+            await writer.close()
+            _, session, _ = await log.load(writer.session_id)
+            assert [e.raw for e in session] == [first.raw]
+        finally:
+            await log.close()

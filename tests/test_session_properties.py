@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
-from hypothesis import event, given
+from hypothesis import assume, event, given
 from hypothesis import strategies as st
 from sessiongen import GeneratedSession, derived_pairing, generated_sessions
 
-from sessionlog.errors import OpenTurn
+from sessionlog.errors import OpenTurn, SessionLogError
 from sessionlog.events import Interrupted
 from sessionlog.fork import END_SEED, plan_fork
 from sessionlog.repair import interrupted_turn_closers
@@ -138,3 +139,45 @@ def test_a_fork_at_a_turn_boundary_derives_the_parents_prefix_and_inside_a_turn_
         assert _derivation(child) == _derivation(prefix)
         assert child.fold_request_header() == prefix.fold_request_header()
     event(f"{min(forks, 5)}{'+' if forks > 5 else ''} fork boundaries")
+
+
+CHUNK_BREAKS = ("step", "turn", "seq", "surfaceOp", "sourceEventSeqs", "no seq", "data")
+
+
+@given(sessions, st.data())
+def test_loading_a_log_refuses_a_broken_chunk_exactly_as_appending_it_alone_does(
+    g: GeneratedSession, data: Any
+) -> None:
+    """`Session(events)` checks chunks on a fast path of its own; it must refuse what `append` refuses, the same way."""
+    chunks = [e.seq for e in g.session if e.type == "assistant/chunk"]
+    assume(chunks)
+    seq = data.draw(st.sampled_from(chunks))
+    broken: dict[str, Any] = msgspec.json.decode(g.events[seq])
+    how = data.draw(st.sampled_from(CHUNK_BREAKS))
+    event(f"chunk broken by {how}")
+    if how in ("step", "turn"):
+        broken["data"][how] += 1
+    elif how == "seq":
+        broken["seq"] += 1
+    elif how == "surfaceOp":
+        broken["surfaceOp"] = "append"
+    elif how == "sourceEventSeqs":
+        broken["sourceEventSeqs"] = [0]
+    elif how == "no seq":
+        del broken["seq"]
+    else:
+        broken["data"]["chunk"] = {"type": "text-delta", "index": "zero", "text": "x"}
+    bad = msgspec.json.encode(broken)
+
+    alone = Session()
+    for raw in g.events[:seq]:
+        alone.append(raw)
+    with pytest.raises(SessionLogError) as single:
+        alone.append(bad)
+    with pytest.raises(SessionLogError) as loaded:
+        Session([*g.events[:seq], bad, *g.events[seq + 1 :]])
+    assert (type(loaded.value), loaded.value.seq, str(loaded.value)) == (
+        type(single.value),
+        single.value.seq,
+        str(single.value),
+    )

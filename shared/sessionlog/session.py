@@ -249,8 +249,7 @@ class Session:
         self._derived_nodes = 0
         self._derived_generation = 0
         self._derived_view: DerivedMessages | None = None
-        for event in events:
-            self.append(event)
+        self.extend(events)
 
     # ------------------------------------------------------------------------------------------ reading
 
@@ -341,8 +340,29 @@ class Session:
         return event, self._check(event)
 
     def extend(self, events: Iterable[bytes | Event]) -> None:
-        for event in events:
-            self.append(event)
+        """Append each event in turn, exactly as `append` would; a refused event raises, and the events before it
+        stay appended.
+
+        A chunk inside its open step is most of any log, and all the rules ask of it is checked inline here (the
+        same checks as `_check`'s chunk path, in the same order); every other event takes `append`'s road.
+        """
+        log = self._events
+        for item in events:
+            event = item if isinstance(item, Event) else decode_event(item, len(log))
+            if event.type == "assistant/chunk":
+                step = self.open_step
+                if (
+                    step is not None
+                    and event.seq == len(log)
+                    and (not log or event.has_seq is log[-1].has_seq)
+                    and event.surface_op is UNSET
+                    and event.source_event_seqs is UNSET
+                    and event.data.step == step.number
+                    and event.data.turn == self.open_turn
+                ):
+                    log.append(event)
+                    continue
+            self._commit(event, self._check(event))
 
     def copy(self) -> Session:
         """An independent session with the same log, without validating it again (O(n) pointer copies)."""

@@ -170,6 +170,33 @@ def _stop_all_at_exit() -> None:
 # --- one server ----------------------------------------------------------------------------------------------
 
 
+class _StartStop:
+    """`with` and `async with` around `start()` and `stop()` (the async form runs them in a thread)."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Self:
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await asyncio.to_thread(self.stop)
+
+
 @dataclass(frozen=True)
 class ClusterOptions:
     """Route settings for one node of a loopback cluster."""
@@ -179,7 +206,7 @@ class ClusterOptions:
     routes: Sequence[str]
 
 
-class EmbeddedServer:
+class EmbeddedServer(_StartStop):
     """One nats-server process with JetStream, bound to loopback.
 
     `port=0` picks a free client port on first start and keeps it, so `restart()` comes back where clients
@@ -396,24 +423,6 @@ class EmbeddedServer:
         with _LIVE_LOCK:
             _LIVE.discard(self)
 
-    # --- context managers ------------------------------------------------------------------------------------
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> Self:
-        await asyncio.to_thread(self.start)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await asyncio.to_thread(self.stop)
-
     def __repr__(self) -> str:
         state = f"pid {self.pid}" if self.running else "stopped"
         return f"EmbeddedServer({self.host}:{self.port}, {self.data_dir}, {state})"
@@ -422,7 +431,7 @@ class EmbeddedServer:
 # --- a loopback cluster --------------------------------------------------------------------------------------
 
 
-class Cluster:
+class Cluster(_StartStop):
     """`size` routed nats-server nodes on loopback, each with its own data folder under `base_dir`.
 
     Node names are `<name>-0`, `<name>-1`, ...; JetStream in a cluster needs stable, distinct server names, and
@@ -523,20 +532,3 @@ class Cluster:
             if time.monotonic() >= deadline:
                 raise ServerStartFailed(f"cluster {self.name}: no meta leader after {timeout:.1f}s")
             time.sleep(0.05)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> Self:
-        await asyncio.to_thread(self.start)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await asyncio.to_thread(self.stop)

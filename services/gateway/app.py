@@ -259,7 +259,7 @@ class Gateway:
                         extra = parse_request(body) if body.strip() else {}
                 else:
                     with gc_paused():
-                        parsed = parse_request(body)
+                        parsed = parse_request(body, lazy=True)  # messages stay bytes: the cache reads them
                 derivation = await deriving
             finally:
                 if not deriving.done():

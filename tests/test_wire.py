@@ -20,6 +20,7 @@ from sessionlog.wire import (
     check_request,
     compare_request,
     first_difference,
+    parse_request,
     snake_case,
     to_wire,
 )
@@ -237,6 +238,12 @@ def test_a_request_whose_messages_differ_is_refused_with_the_path(mutate: Any, p
     divergence = compare_request(request, messages, header)
     assert divergence is not None and divergence.path == path
     assert path in info.value.message
+    # the gateway's path: messages left as bytes, the cache warm from the request the log does give
+    cache = WireCache()
+    assert compare_request(parse_request(msgspec.json.encode(expected_request()), lazy=True), messages, header,
+                           cache=cache) is None  # fmt: skip
+    lazy = compare_request(parse_request(msgspec.json.encode(request), lazy=True), messages, header, cache=cache)
+    assert lazy == divergence
 
 
 def test_the_refusal_names_the_seq_of_the_derived_message() -> None:
@@ -351,3 +358,75 @@ def test_every_request_the_log_rebuilds_passes_and_a_dropped_message_does_not(ge
         if request["messages"]:
             request["messages"].pop(random.Random(checkpoint.seq).randrange(len(request["messages"])))
             assert compare_request(request, messages, header, cache=cache) is not None
+
+
+# ---------------------------------------------------------------------------------------------- the request memo
+
+
+def test_an_agents_growing_requests_pass_and_a_change_anywhere_is_still_refused() -> None:
+    log = tool_turn()
+    cache = WireCache()
+    for i in range(6):
+        messages, header = derivation(log)
+        request = to_wire(messages, header)
+        body = json.dumps({**request, "stream": True}).encode()  # Python's separators, as the OpenAI SDK sends
+        assert compare_request(parse_request(body, lazy=True), messages, header, cache=cache) is None
+        for index in (len(request["messages"]) - 1, 1):  # the newest message, then an old one
+            tampered = json.loads(body)
+            tampered["messages"][index]["content"] += "!"
+            divergence = compare_request(parse_request(json.dumps(tampered).encode(), lazy=True), messages, header,
+                                         cache=cache)  # fmt: skip
+            assert divergence is not None and divergence.path == f"$.messages[{index}].content"
+        log.add("user/message", user_message_data(f"more {i}", f"m{i}"), surfaceOp="append")
+
+
+def test_the_memo_reuses_a_prefix_only_up_to_an_element_boundary() -> None:
+    cache = WireCache()
+    assert cache.sent_messages(b"[1]") == b"[1]"
+    assert cache.sent_messages(b"[12]") == b"[12]"  # starts with "[1" but the element goes on
+    assert cache.sent_messages(b'[12 ,{ "b":1,"a":2}]') == b'[12,{"a":2,"b":1}]'
+    assert cache.sent_messages(b'[12 ,{ "b":1,"a":2}\n]') == b'[12,{"a":2,"b":1}]'
+    assert cache.sent_messages(b'[12 ,{ "b":1,"a":2}, 1.0]') == b'[12,{"a":2,"b":1},1.0]'
+    assert cache.sent_messages(b'[12 ,{ "b":1,"a":2}, 1.0 , true]') == b'[12,{"a":2,"b":1},1.0,true]'
+    assert cache.sent_messages(b'{"a": 1}') is None
+    assert cache.sent_messages(b"[]") == b"[]"
+
+
+def test_invalid_utf8_in_lazily_parsed_messages_is_an_invalid_request() -> None:
+    messages, header = derivation(tool_turn())
+    cache = WireCache()
+    good = msgspec.json.encode(expected_request())
+    assert compare_request(parse_request(good, lazy=True), messages, header, cache=cache) is None
+    bad_tail = good.replace(b'"hello"}]', b'"hello"},{"role":"user","content":"\xff"}]')
+    bad_first = good.replace(b"You are terse.", b"You are \xff.")
+    for body in (bad_tail, bad_first):
+        with pytest.raises(InvalidRequest):
+            compare_request(parse_request(body, lazy=True), messages, header, cache=cache)
+    with pytest.raises(InvalidRequest):
+        parse_request(b'{"model": "\xff", "messages": []}', lazy=True)
+    for body in (b"not json", b"[1,2]"):
+        with pytest.raises(InvalidRequest):
+            parse_request(body, lazy=True)
+
+
+def test_the_expected_bytes_grow_with_the_view_and_start_afresh_after_a_compaction() -> None:
+    log = tool_turn()
+    session = log.session()
+    header = session.fold_request_header()
+    assert header is not None
+    cache = WireCache()
+    for i in range(3):
+        view = session.derive_messages()
+        assert cache.expected_messages(view, header) == WireCache().expected_messages(view, header)
+        log.add("user/message", user_message_data(f"note {i}", f"n{i}"), surfaceOp="append")
+        session.append(log.events[-1])
+    grown = session.derive_messages()
+    assert grown.extends(view) and not view.extends(grown)
+    nodes = session.surface.nodes
+    replace = {"op": "replace", "start": nodes[1], "end": nodes[-1]}
+    log.add("user/message", user_message_data("summary", "s1"), surfaceOp=replace, sourceEventSeqs=sorted(nodes[1:]))
+    session.append(log.events[-1])
+    compacted = session.derive_messages()
+    assert not compacted.extends(grown)
+    assert cache.expected_messages(compacted, header) == WireCache().expected_messages(compacted, header)
+    assert compare_request(to_wire(compacted, header), compacted, header, cache=cache) is None

@@ -58,6 +58,7 @@ from .upstream import (
     gateway_status_for,
     stream_error,
     upstream_error_message,
+    upstream_transport,
 )
 
 log = logging.getLogger("sessionlog.gateway")
@@ -162,7 +163,7 @@ class Gateway:
         self._log = log
         self._owns_log = log is None
         self._source = source
-        self._http: httpx.AsyncClient | None = None
+        self._http: httpx.AsyncHTTPTransport | None = None
         self._upstreams: dict[str, Upstream] = {}
         self._default: Upstream | None = None
         self._tee: RawTee | None = None
@@ -184,7 +185,7 @@ class Gateway:
         if self._log is None:
             self._log = await SessionLog.connect(self.settings)
         log_ = self._log
-        self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+        self._http = upstream_transport()
         self._default = Upstream(self.config.upstream, self._http)
         self._upstreams = {name: Upstream(cfg, self._http) for name, cfg in self.config.routes.items()}
         if self._source is None:
@@ -259,7 +260,7 @@ class Gateway:
                         extra = parse_request(body) if body.strip() else {}
                 else:
                     with gc_paused():
-                        parsed = parse_request(body)
+                        parsed = parse_request(body, lazy=True)  # messages stay bytes: the cache reads them
                 derivation = await deriving
             finally:
                 if not deriving.done():

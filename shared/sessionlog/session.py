@@ -123,6 +123,11 @@ class DerivedMessages(Sequence[DerivedMessage]):
         for i in range(self._len):
             yield items[i]
 
+    def extends(self, other: DerivedMessages) -> bool:
+        """True when this view holds every message of `other`, in order, and maybe more after them. O(1): both are
+        views of one generation's list, which only grows (a replace starts a new list), so no message is compared."""
+        return self._items is other._items and other._len <= self._len
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, DerivedMessages):
             return len(self) == len(other) and all(a.raw == b.raw for a, b in zip(self, other, strict=True))

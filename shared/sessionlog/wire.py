@@ -36,10 +36,14 @@ equal what the header gives, so a `tool_choice`, `seed` or `response_format` tha
 `HEADER_DIVERGES`; only the transport fields (`stream`, `stream_options`) are left out of the comparison. Numbers
 compare as JSON does after canonicalisation: `1` and `1.0` differ, as they do on the wire.
 
-Speed: the expected `messages` bytes are joined from per-message canonical fragments that a `WireCache` keeps
-(keyed by the logged message bytes, so a message is converted and encoded once), and compared with one canonical
-encoding of the request's `messages`. Only when the bytes differ are both sides walked to name the JSON path of the
-first difference (`$.messages[3].content`).
+Speed: a `WireCache` (one per session) keeps the canonical wire fragment of every surface node (keyed by the logged
+message bytes, so a message is converted and encoded once) and the joined `messages` bytes of the last derivation it
+saw, extended by the new nodes only while the generation stays the same. On the request side, `parse_request(body,
+lazy=True)` leaves `messages` as the bytes it arrived as; the cache remembers the previous request's array and its
+canonical bytes, and when the new array starts with those same bytes (an agent's next request repeats its context
+and adds to it) only the added messages are decoded and encoded. That memo is a pure function of the bytes, never of
+the log: every request is still compared in full, byte for byte, with the derivation it is checked against. Only
+when the bytes differ are both sides walked to name the JSON path of the first difference (`$.messages[3].content`).
 """
 
 from __future__ import annotations
@@ -53,12 +57,15 @@ import msgspec
 
 from .errors import DerivationDiverges, HeaderDiverges, SessionLogError, UnsupportedContent
 from .events import ImageBlock, ReasoningBlock, TextBlock, ToolCallBlock, ToolResultBlock
-from .session import DerivedMessage, FoldedHeader
+from .session import DerivedMessage, DerivedMessages, FoldedHeader
 
 TRANSPORT_FIELDS: Final = frozenset({"stream", "stream_options"})
 PHRASE: Final = "diverges from the dispatch-time durable derivation"
 
 _encoder: Final = msgspec.json.Encoder(order="sorted")
+_top_decoder: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
+# What may follow the last element of a JSON array's prefix: whitespace, then the next element's comma or the end.
+_ARRAY_GOES_ON: Final = re.compile(rb"[ \t\n\r]*([,\]])")
 _CAMEL_RE: Final = re.compile(r"(?<=[a-z0-9])([A-Z])")
 _PLAIN_ROLES: Final = frozenset({"user", "system", "developer"})
 
@@ -182,17 +189,23 @@ def to_wire(messages: Sequence[DerivedMessage], header: FoldedHeader) -> dict[st
 
 
 class WireCache:
-    """Canonical wire bytes per derived message and per header, so a request costs one encoding, not two.
+    """Canonical wire bytes per derived message and per header, and the last request's canonical `messages`.
 
-    Keyed by the logged bytes (a message's wire form is a pure function of them), so it is correct across
-    generations and sources; it forgets messages that left the surface when it grows past twice the surface.
+    Fragments are keyed by the logged bytes (a message's wire form is a pure function of them), so they are correct
+    across generations and sources; the cache forgets messages that left the surface when it grows past twice the
+    surface. The joined expected bytes are reused for the same derivation view and extended for a longer view of
+    the same generation (`DerivedMessages.extends`); any other sequence of messages is joined afresh.
     """
 
-    __slots__ = ("_fragments", "_header")
+    __slots__ = ("_expected", "_fragments", "_header", "_sent")
 
     def __init__(self) -> None:
         self._fragments: dict[bytes, bytes] = {}
         self._header: tuple[bytes, bytes | None, bytes, dict[str, Any]] | None = None
+        # (header entry, the derivation's messages, their joined canonical bytes)
+        self._expected: tuple[object, Sequence[DerivedMessage], bytes] | None = None
+        # (the last request's `messages` bytes as sent, where its closing bracket is, its canonical bytes)
+        self._sent: tuple[bytes, int, bytes] | None = None
 
     def __len__(self) -> int:
         return len(self._fragments)
@@ -217,19 +230,74 @@ class WireCache:
 
     def expected_messages(self, messages: Sequence[DerivedMessage], header: FoldedHeader) -> bytes:
         """Canonical JSON of the request's `messages` array as the derivation gives it."""
-        _, sys_frag, _, _ = self._header_entry(header)
+        entry = self._header_entry(header)
+        last = self._expected
+        if last is not None and last[0] is entry:
+            _, seen, joined = last
+            if seen is messages:
+                return joined
+            if isinstance(messages, DerivedMessages) and isinstance(seen, DerivedMessages) and messages.extends(seen):
+                new = [self.fragment(messages[i]) for i in range(len(seen), len(messages))]
+                if new:  # one copy of the old bytes, not one per concatenation
+                    joined = b"".join((memoryview(joined)[:-1], b"," if len(joined) > 2 else b"", b",".join(new), b"]"))
+                self._expected = (entry, messages, joined)
+                return joined
+        sys_frag = entry[1]
         frags = [self.fragment(m) for m in messages]
         if sys_frag is not None:
             frags.insert(0, sys_frag)
         if len(self._fragments) > 2 * len(messages) + 64:
             keep = {m.raw for m in messages}
             self._fragments = {k: v for k, v in self._fragments.items() if k in keep}
-        return b"[" + b",".join(frags) + b"]"
+        joined = b"[" + b",".join(frags) + b"]"
+        self._expected = (entry, messages, joined)
+        return joined
 
     def expected_fields(self, header: FoldedHeader) -> tuple[bytes, dict[str, Any]]:
         """Canonical JSON of every non-message field the header gives, and those fields as plain data."""
         _, _, fields_bytes, fields = self._header_entry(header)
         return fields_bytes, fields
+
+    def sent_messages(self, sent: bytes) -> bytes | None:
+        """Canonical JSON of a request's `messages` array given as the bytes it arrived as (already known to be
+        well-formed JSON), or None when it is not an array.
+
+        When `sent` starts with the previous request's array up to its closing bracket, and what follows is that
+        bracket or a comma (so the prefix ends on an element boundary), the prefix's canonical bytes are reused and
+        only the elements after it are decoded and encoded. Those prefix bytes were decoded in full before, so
+        reusing them validates nothing less.
+        """
+        last = self._sent
+        canonical: bytes | None = None
+        if last is not None:
+            before, close, before_canonical = last
+            if sent == before:
+                return before_canonical
+            if sent.startswith(memoryview(before)[:close]):
+                goes_on = _ARRAY_GOES_ON.match(sent, close)
+                if goes_on is not None:
+                    if goes_on.group(1) == b"]":
+                        if sent[goes_on.end() :].strip():
+                            raise InvalidRequest("the request's messages are not one JSON array")
+                        canonical = before_canonical
+                    else:
+                        added = msgspec.json.decode(b"[" + sent[goes_on.end() :])
+                        tail = memoryview(_encoder.encode(added))[1:]
+                        canonical = b"".join((memoryview(before_canonical)[:-1], b",", tail))
+        if canonical is None:
+            value = msgspec.json.decode(sent)
+            if not isinstance(value, list):
+                return None
+            canonical = _encoder.encode(value)
+        # An empty array has no element for a later one to follow with a comma: it is not remembered.
+        self._sent = (sent, len(sent.rstrip()) - 1, canonical) if len(canonical) > 2 else None
+        return canonical
+
+    def _share(self, expected: bytes) -> None:
+        """The last `sent_messages` result was found equal to `expected`: keep one copy of those bytes, not two."""
+        last = self._sent
+        if last is not None and last[2] is not expected:
+            self._sent = (last[0], last[1], expected)
 
 
 # ---------------------------------------------------------------------------------------------- comparison
@@ -311,10 +379,24 @@ def _message_seq(messages: Sequence[DerivedMessage], header: FoldedHeader, index
     return None
 
 
-def parse_request(body: bytes | Mapping[str, Any]) -> dict[str, Any]:
-    """The request body as plain data; refused (`INVALID_REQUEST`) when it is not a JSON object."""
+def parse_request(body: bytes | Mapping[str, Any], *, lazy: bool = False) -> dict[str, Any]:
+    """The request body as plain data; refused (`INVALID_REQUEST`) when it is not a JSON object.
+
+    With `lazy`, `messages` stays as the bytes it arrived as (a `msgspec.Raw`, which `compare_request` reads with
+    the cache's memo and `msgspec.json.encode` writes back unchanged); every other field is decoded.
+    """
     if isinstance(body, Mapping):
         return dict(body)
+    if lazy:
+        try:
+            fields = _top_decoder.decode(body)
+        except msgspec.DecodeError:
+            pass  # not JSON, or not an object: the plain parse below names the problem
+        else:
+            try:
+                return {k: v if k == "messages" else msgspec.json.decode(v) for k, v in fields.items()}
+            except msgspec.DecodeError as exc:  # invalid UTF-8 inside a string, which skipping does not check
+                raise InvalidRequest(f"the request body is not JSON: {exc}") from None
     try:
         request = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
@@ -333,11 +415,22 @@ def compare_request(
 ) -> Divergence | None:
     """The first divergence of a parsed request from the derivation, or None when it matches exactly.
 
-    Raises `UNSUPPORTED_CONTENT` when the derivation holds content the conversion cannot carry.
+    `request["messages"]` may be plain data or, from `parse_request(..., lazy=True)`, the bytes it arrived as.
+    Raises `UNSUPPORTED_CONTENT` when the derivation holds content the conversion cannot carry, and
+    `INVALID_REQUEST` when lazily parsed messages turn out not to be JSON.
     """
     cache = cache if cache is not None else WireCache()
     expected_messages = cache.expected_messages(messages, header)
     actual_messages = request.get("messages", _MISSING)
+    if isinstance(actual_messages, msgspec.Raw):
+        try:
+            actual_bytes = cache.sent_messages(bytes(actual_messages))
+            if actual_bytes == expected_messages:
+                cache._share(expected_messages)
+                return _compare_fields(request, header, cache)
+            actual_messages = msgspec.json.decode(actual_messages)  # only to name the difference
+        except msgspec.DecodeError as exc:
+            raise InvalidRequest(f"the request body is not JSON: {exc}") from None
     if actual_messages is _MISSING or not isinstance(actual_messages, list):
         return Divergence(
             DerivationDiverges.code,
@@ -363,6 +456,11 @@ def compare_request(
             f"request {PHRASE} at {path}{where}: expected {_show(want)}, got {_show(got)}{count}",
             seq,
         )
+    return _compare_fields(request, header, cache)
+
+
+def _compare_fields(request: Mapping[str, Any], header: FoldedHeader, cache: WireCache) -> Divergence | None:
+    """The first divergence of the request's fields other than `messages` from the header, or None."""
     expected_bytes, expected_fields = cache.expected_fields(header)
     rest = {k: v for k, v in request.items() if k != "messages" and k not in TRANSPORT_FIELDS}
     if _encoder.encode(rest) != expected_bytes:

@@ -374,6 +374,35 @@ async def test_a_request_claiming_a_seq_the_durable_log_does_not_reach_is_refuse
     assert response.status_code == 400
 
 
+async def test_a_key_given_twice_smuggles_nothing_past_the_check_the_provider_gets_what_was_checked(
+    http: httpx.AsyncClient, agent: Agent, provider: ScriptedProvider
+) -> None:
+    provider.load([{"text": "one"}, {"text": "two"}])
+    await agent.start_turn("What is in the notes?")
+    request = agent.request()
+    body = msgspec.json.encode(request)
+    assert body.startswith(b"{") and b'"messages":' in body
+    # A first `messages` that the check (last wins) never reads, and inside the real one a user message whose
+    # `content` is given twice: the injected text first, the logged text last.
+    injected = b'"messages":[{"role":"user","content":"INJECTED FIRST"}],'
+    user = b'"role":"user","content":"What is in the notes?"'
+    assert body.count(user) == 1
+    smuggling = (
+        b"{"
+        + injected
+        + body[1:].replace(user, b'"role":"user","content":"INJECTED INSIDE","content":"What is in the notes?"')
+    )
+    response = await post(http, agent, smuggling)
+    assert response.status_code == 200, response.text
+    sent = provider.received[-1]
+    assert b"INJECTED" not in sent
+    assert sent.count(b'"messages"') == 1
+    assert msgspec.json.decode(sent) == request
+    # The same request sent cleanly is forwarded as the very same bytes.
+    assert (await post(http, agent, request)).status_code == 200
+    assert provider.received[-1] == sent
+
+
 async def test_a_compacted_session_passes_with_the_summary_and_the_transcript_keeps_the_originals(
     http: httpx.AsyncClient, agent: Agent, provider: ScriptedProvider, log: SessionLog
 ) -> None:

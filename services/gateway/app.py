@@ -45,7 +45,15 @@ from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
 from sessionlog.record import H_RAW_OUTCOME, H_RAW_SESSION_SEQ, H_RAW_STATUS
 from sessionlog.settings import Settings
-from sessionlog.wire import Divergence, InvalidRequest, WireCache, compare_request, parse_request, to_wire
+from sessionlog.wire import (
+    Divergence,
+    InvalidRequest,
+    WireCache,
+    checked_body,
+    compare_request,
+    parse_request,
+    to_wire,
+)
 
 from .config import GatewayConfig
 from .derivation import ContextDeriverClient, Derivation, DerivationSource, StreamSource
@@ -296,6 +304,10 @@ class Gateway:
         upstream = self._route(header.header.config.provider)
         call.route = upstream.name
         call.stream = parsed.get("stream") is True
+        if mode != "derive":
+            # Forward what was checked, not the caller's bytes: a key given twice (which the check reads last-wins
+            # and a provider's parser may read first-wins) must not carry anything past the invariant.
+            body = checked_body(parsed, self._cache(call.session_id).expected_messages(derivation.messages, header))
         forwarded = upstream.forward_body(parsed, body)
         return await self._forward(request, call, upstream, forwarded)
 

@@ -406,6 +406,15 @@ def parse_request(body: bytes | Mapping[str, Any], *, lazy: bool = False) -> dic
     return request
 
 
+def checked_body(request: Mapping[str, Any], expected_messages: bytes) -> bytes:
+    """The bytes to forward for a request that passed the check: its fields re-encoded from what was compared, and
+    its `messages` as the derivation's canonical bytes (equal to the request's, or the check would have refused).
+    A provider then reads exactly what was checked, whatever duplicate keys or spacing the caller's bytes held."""
+    fields = {key: value for key, value in request.items() if key != "messages"}
+    fields["messages"] = msgspec.Raw(expected_messages)
+    return _encoder.encode(fields)
+
+
 def compare_request(
     request: Mapping[str, Any],
     messages: Sequence[DerivedMessage],

@@ -222,10 +222,8 @@ async def test_connect_without_a_url_starts_the_embedded_server_once(tmp_path: P
 @on_module_loop
 async def test_an_unreachable_server_is_log_unavailable_within_seconds() -> None:
     settings = log_settings(f"nats://127.0.0.1:{free_port()}")
-    started = time.monotonic()
     with pytest.raises(LogUnavailable, match="cannot connect to NATS"):
-        await connect(settings)
-    assert time.monotonic() - started < 10
+        await asyncio.wait_for(connect(settings), 10)  # the bound proves it gives up, not how fast
 
 
 @on_module_loop
@@ -414,10 +412,8 @@ async def test_an_expired_lease_leaves_a_marker_and_can_be_taken_over(leases: Le
         assert await watcher.updates(timeout=2) is None  # nothing yet
         lease = await leases.acquire(sid, "writer-a", 1)
         assert (await watcher.updates(timeout=2)).revision == lease.revision
-        started = time.monotonic()
-        marker = await watcher.updates(timeout=5)  # the server's expiry marker
+        marker = await watcher.updates(timeout=5)  # the server's expiry marker for the unrefreshed 1 s lease
         assert marker.operation == "PURGE" and marker.revision > lease.revision
-        assert time.monotonic() - started < 3.5
     finally:
         await watcher.stop()
     assert await leases.current(sid) is None

@@ -152,6 +152,9 @@ class PullFeed:
         if code == "409" and "Consumer Deleted" in description:
             self._gone = description
             return
+        if code == "503":  # no responders: the consumer does not exist (or JetStream is not answering)
+            self._gone = "no responders to the pull request"
+            return
         pending = headers.get(PENDING_MESSAGES)
         if code in ("404", "408", "409") and pending is not None and pending.isdigit():
             self._outstanding = max(0, self._outstanding - int(pending))  # that request ended with these unfilled

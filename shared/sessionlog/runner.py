@@ -488,20 +488,31 @@ class ProjectionRunner(Generic[S]):
         start = await self._start_seq(part)
         part.applied = start - 1
         part.checkpointed = part.applied
-        while True:
+        while self._running and not part.stopping and not self.log.nc.is_closed:
             try:
                 await self._follow(part, part.applied + 1)
                 return
-            except ConsumerGone as gone:
-                # Deleted under us. Recreate it (from what is applied) only while the partition is still ours: a
-                # replica that took it over recreates the same durable, and must not have it deleted again.
+            except (ConsumerGone, nats.errors.Error, SessionLogError) as err:
+                # The consumer was deleted under us, or JetStream did not answer (a leader election, a reconnect).
+                # Go on from what is applied, but only while the partition is still ours: a replica that took it
+                # over recreates the same durable, and must not have it deleted again.
                 if part.lease is not None:
-                    try:
-                        part.lease = await self._leases.refresh(part.lease)
-                    except LeaseLost:
-                        log.warning("%s: partition %d: %s, and its lease is lost", self.name, part.number, gone)
+                    held = part.lease
+                    try:  # a read: refreshing is the claim loop's, and two refreshes would fence each other
+                        now = await self._leases.current(held.session_id)
+                    except Exception as lease_err:  # the lease bucket is down too: the next try finds out
+                        log.debug("%s: partition %d: lease read failed: %s", self.name, part.number, lease_err)
+                        now = held
+                    if now is None or now.epoch != held.epoch:
+                        log.warning("%s: partition %d: %s, and its lease is lost", self.name, part.number, err)
                         return  # the claim loop disowns it
-                log.warning("%s: partition %d: %s; recreating it", self.name, part.number, gone)
+                log.warning(
+                    "%s: partition %d: %s; consuming again from stream seq %d",
+                    self.name,
+                    part.number,
+                    err or type(err).__name__,
+                    part.applied + 1,
+                )
                 await asyncio.sleep(0.5)
 
     async def _follow(self, part: _Partition, start: int) -> None:

@@ -116,7 +116,7 @@ class _Partition:
     pending: int = 0
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     stopping: bool = False  # a graceful stop: finish the record in hand, acknowledge, return
-    feed: PullFeed | None = None
+    applying: bool = False  # a burst is being applied (the stop waits for the record in hand)
     saving: asyncio.Task[None] | None = None  # the checkpoint write in flight
     lag_events: Any = None  # the partition's metric children, looked up once
     lag_seconds: Any = None
@@ -437,11 +437,10 @@ class ProjectionRunner(Generic[S]):
             # Graceful: the consumer finishes the record in hand, acknowledges and returns; a load that hangs is
             # cancelled after a grace period (what it had not applied is after the checkpoint, so nothing is lost).
             part.stopping = True
-            if part.feed is not None:
-                part.feed.wake()
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
-                await asyncio.wait_for(asyncio.shield(part.task), STOP_GRACE_S)
-            part.task.cancel()
+            if part.applying:
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(asyncio.shield(part.task), STOP_GRACE_S)
+            part.task.cancel()  # nothing in hand (waiting for records, or for JetStream): stop at once
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await part.task
         if part.saving is not None:
@@ -542,14 +541,17 @@ class ProjectionRunner(Generic[S]):
             expires_s=PULL_EXPIRES_S,
             heartbeat_s=PULL_HEARTBEAT_S,
         )
-        part.feed = feed
         await feed.start()
         last_checkpoint = time.monotonic()
         try:
             while self._running and not part.stopping:
                 burst = await feed.take(IDLE_WAKE_S)
                 if burst:
-                    done = await self._apply_burst(part, burst)
+                    part.applying = True
+                    try:
+                        done = await self._apply_burst(part, burst)
+                    finally:
+                        part.applying = False
                     if done is not None:
                         await feed.ack(done)
                         part.pending = done.pending
@@ -561,7 +563,6 @@ class ProjectionRunner(Generic[S]):
                     self._checkpoint_soon(part)
                     last_checkpoint = now
         finally:
-            part.feed = None
             await feed.stop()
 
     async def _apply_burst(self, part: _Partition, burst: list[Delivery]) -> Delivery | None:

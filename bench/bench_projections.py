@@ -2,10 +2,12 @@
 
 - `lag`: end-to-end lag from a writer's `flush()` returning to `derive(min_seq=that seq)` answering, p50/p99, at a
   target of 1,000 and 10,000 events/s spread over 100 sessions (agents flush before every provider request and
-  before every tool body; the rate actually reached is reported next to the target).
+  before every tool body; the rate actually reached is reported next to the target), with the share of a core
+  that the deriver, the server and each writer process used meanwhile. See RATES for the lockstep and staggered
+  variants and the writers split over processes.
 - `rebuild`: context-deriver rebuilt from stream seq 1 (events/s) against the raw read of the same records in the
-  same run (pull consumers per partition, the runner's own fetch size) plus one msgspec decode per event; the goal
-  is a ratio of at least 0.5.
+  same run (pull consumers per partition, read the runner's way: its continuous pull and batch) plus one msgspec
+  decode per event; the goal is a ratio of at least 0.5.
 - `derive`: answer time of `derive` for a 1,000-message and a 10,000-message session held (cached) by the deriver;
   the 10,000-message one is paged (a reply never passes max_payload), so page 0 and the whole set are reported.
 
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import signal
 import statistics
@@ -27,26 +30,36 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import nats.errors
 from nats.js import api
 
 from services.context_deriver.service import ContextDeriver
 from sessionlog.embedded import EmbeddedServer, free_port
 from sessionlog.events import encode_new_event
 from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.pull import PullFeed
 from sessionlog.record import ALL_EVENTS, decode_record, partition_filter
-from sessionlog.runner import FETCH_BATCH, ProjectionRunner
+from sessionlog.runner import FETCH_BATCH, PULL_EXPIRES_S, PULL_HEARTBEAT_S, ProjectionRunner
 from sessionlog.settings import Settings
 
 from .synth import synthetic_log
 
 SESSIONS = 100
 LAG_SECONDS = 8.0
-RATES = (1_000, 10_000)
+# (events/s, writer processes, staggered). Every session replays the same synthetic log; in lockstep they all
+# reach each flush point within one round of the writers (10 ms at 10,000 events/s), so the deriver gets 100
+# derive requests and 100 records at once. Staggered, each session starts at its own point of that log (the
+# prefix written before the clock starts), as independent agents would. The writers run in this process or split
+# over spawned ones, to see whether the load generator's own loop is what is measured.
+RATES = ((1_000, 1, False), (10_000, 1, False), (10_000, 1, True), (10_000, 2, True))
+STAGGER_EVENTS = 200
+# `derive` is timed after the first two lag runs, as before the staggered ones were added: the deriver then holds
+# as many sessions as it always did (its heap, and so its garbage collector's pauses, are what the p99 sees).
+DERIVE_AFTER_LAG_RUNS = 2
 DERIVE_SAMPLES = 500
 DERIVE_MESSAGES = (1_000, 10_000)
 
@@ -127,31 +140,48 @@ def flush_points(events: list[bytes]) -> set[int]:
     return points
 
 
-async def lag_run(url: str, rate: int, seconds: float) -> dict[str, Any]:
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU a process has used so far (Linux /proc; None elsewhere)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def lag_writers(
+    url: str, rate: float, seconds: float, sessions: int, prefix: str, start_at: float, staggered: bool
+) -> dict[str, Any]:
+    """`sessions` writers emitting `rate` events/s between them from `start_at` (epoch s) on; every flush is
+    followed by `derive(min_seq)` and the time from flush() returning to the answer is one lag sample."""
     settings = Settings(_env_file=None, nats_url=url, lease_ttl_s=30)
     writers_log = await SessionLog.connect(settings)
     asker = await SessionLog.connect(settings)
-    per_session = int(rate * seconds / SESSIONS) + 60
+    per_session = int(rate * seconds / sessions) + 60 + (STAGGER_EVENTS if staggered else 0)
     events = synthetic_log(per_session)
     points = flush_points(events)
-    run = uuid.uuid4().hex[:6]
-    writers: list[SessionWriter] = [await writers_log.create(f"lag-{run}-{i}") for i in range(SESSIONS)]
-    cursor = [0] * SESSIONS
+    writers: list[SessionWriter] = [await writers_log.create(f"{prefix}-{i}") for i in range(sessions)]
+    cursor = [(i * 37) % STAGGER_EVENTS if staggered else 0 for i in range(sessions)]
+    for writer, start in zip(writers, cursor, strict=True):  # the staggered prefix, before the clock starts
+        for raw in events[:start]:
+            await writer.append(raw)
+        await writer.flush()
     lags: list[float] = []
     flushes: list[float] = []
     errors: list[str] = []
     pending: set[asyncio.Task[None]] = set()
+    request = asker.nc.request
 
     async def measure(writer: SessionWriter) -> None:
         start = time.perf_counter()
         try:
             seq = await writer.flush()
             flushed = time.perf_counter()
-            reply = await asker.nc.request(
-                "sessionlog.context.derive",
-                json.dumps({"session": writer.session_id, "min_seq": seq, "timeout_ms": 5000}).encode(),
-                timeout=10,
-            )
+            body = b'{"session":"%s","min_seq":%d,"timeout_ms":5000}' % (writer.session_id.encode(), seq)
+            reply = await request("sessionlog.context.derive", body, timeout=10)
             answered = time.perf_counter()
         except Exception as err:  # reported, never hidden
             errors.append(f"{type(err).__name__}: {err}")
@@ -162,6 +192,8 @@ async def lag_run(url: str, rate: int, seconds: float) -> dict[str, Any]:
         flushes.append(flushed - start)
         lags.append(answered - flushed)
 
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    cpu_before = time.process_time()
     emitted = 0
     began = time.perf_counter()
     next_session = 0
@@ -170,7 +202,7 @@ async def lag_run(url: str, rate: int, seconds: float) -> dict[str, Any]:
         due = int(rate * elapsed) - emitted
         for _ in range(max(0, due)):
             i = next_session
-            next_session = (next_session + 1) % SESSIONS
+            next_session = (next_session + 1) % sessions
             position = cursor[i]
             await writers[i].append(events[position])
             cursor[i] += 1
@@ -182,19 +214,106 @@ async def lag_run(url: str, rate: int, seconds: float) -> dict[str, Any]:
         await asyncio.sleep(tick)
     emit_elapsed = time.perf_counter() - began
     await asyncio.gather(*pending)
+    cpu_s = time.process_time() - cpu_before
+    wall_s = time.perf_counter() - began
+    stuck = 0
     for writer in writers:
-        await writer.flush()
-        await writer.close()
+        try:
+            await asyncio.wait_for(writer.close(), 10)  # flushes first
+        except TimeoutError:
+            stuck += 1  # reported: a close that hangs must not hang the benchmark
     await writers_log.close()
     await asker.close()
     return {
+        "lags": lags,
+        "flushes": flushes,
+        "errors": errors,
+        "emitted": emitted,
+        "emit_elapsed": emit_elapsed,
+        "stuck_closes": stuck,
+        "cpu_s": cpu_s,
+        "wall_s": wall_s,
+    }
+
+
+def _lag_process(
+    url: str, rate: float, seconds: float, sessions: int, prefix: str, start_at: float, staggered: bool
+) -> dict[str, Any]:
+    return asyncio.run(lag_writers(url, rate, seconds, sessions, prefix, start_at, staggered))
+
+
+async def lag_run(
+    url: str,
+    rate: int,
+    seconds: float,
+    *,
+    processes: int = 1,
+    staggered: bool = False,
+    deriver_pid: int | None = None,
+    nats_pid: int | None = None,
+) -> dict[str, Any]:
+    """The lag at `rate` events/s over SESSIONS sessions, the writers in this process (processes=1) or split
+    evenly over `processes` spawned ones, so that the load generator's own event loop is not what is measured.
+    Reports how much of a core each process used while the writers ran."""
+    run = uuid.uuid4().hex[:6]
+    share = SESSIONS // processes
+    loop = asyncio.get_running_loop()
+    # Writers are created (and workers spawned) first; every process starts writing at start_at, when the
+    # deriver's and the server's CPU counters are read too.
+    start_at = time.time() + (3.0 if processes == 1 else 5.0)
+    pids = {"deriver": deriver_pid, "nats": nats_pid}
+
+    async def sample_at_start() -> dict[str, float | None]:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+    sampler = asyncio.create_task(sample_at_start())
+    if processes == 1:
+        parts = [await lag_writers(url, rate, seconds, SESSIONS, f"lag-{run}", start_at, staggered)]
+    else:
+        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(
+                await asyncio.gather(
+                    *(
+                        loop.run_in_executor(
+                            pool,
+                            _lag_process,
+                            url,
+                            rate / processes,
+                            seconds,
+                            share,
+                            f"lag-{run}-w{k}",
+                            start_at,
+                            staggered,
+                        )
+                        for k in range(processes)
+                    )
+                )
+            )
+    before = await sampler
+    wall = time.time() - start_at
+    cpu_share: dict[str, float | None] = {}
+    for name, pid in pids.items():
+        after, first = cpu_seconds(pid), before[name]
+        cpu_share[name] = None if after is None or first is None else round((after - first) / wall, 3)
+    for k, part in enumerate(parts):
+        cpu_share[f"writers{k}"] = round(part["cpu_s"] / part["wall_s"], 3)
+    lags = [x for part in parts for x in part["lags"]]
+    flushes = [x for part in parts for x in part["flushes"]]
+    errors = [x for part in parts for x in part["errors"]]
+    emitted = sum(part["emitted"] for part in parts)
+    errors += [f"{part['stuck_closes']} writer closes hung" for part in parts if part["stuck_closes"]]
+    return {
         "target_events_per_s": rate,
-        "reached_events_per_s": emitted / emit_elapsed,
+        "reached_events_per_s": emitted / max(part["emit_elapsed"] for part in parts),
         "sessions": SESSIONS,
+        "writer_processes": processes,
+        "sessions_in": "staggered" if staggered else "lockstep",
         "seconds": seconds,
         "events": emitted,
         "flush_to_derive": summary_ms(lags),
         "flush_itself": summary_ms(flushes),
+        "cpu_share_of_a_core": cpu_share,
         "errors": len(errors),
         "first_errors": errors[:3],
     }
@@ -292,8 +411,9 @@ async def derive_times(url: str) -> dict[str, Any]:
 
 
 async def raw_read(url: str, decode_events: bool) -> tuple[int, int, float]:
-    """Every record of the stream through one pull consumer per partition (the runner's fetch size), decoded as
-    records, each event decoded once by msgspec when asked. Returns (records, events, seconds)."""
+    """Every record of the stream through one pull consumer per partition, read the way the runner reads (its
+    continuous pull, its batch), decoded as records, each event decoded once by msgspec when asked. Returns
+    (records, events, seconds)."""
     log = await SessionLog.connect(Settings(_env_file=None, nats_url=url))
     js = log.js
     stream = log.settings.stream
@@ -313,28 +433,31 @@ async def raw_read(url: str, decode_events: bool) -> tuple[int, int, float]:
             max_ack_pending=FETCH_BATCH * 4,
             inactive_threshold=60,
         )
-        sub = await js.pull_subscribe(partition_filter(number), durable=durable, stream=stream, config=config)
+        created = await js.add_consumer(stream, config)
+        if not created.num_pending:
+            return
+        feed = PullFeed(
+            log.nc, stream, durable, batch=FETCH_BATCH, expires_s=PULL_EXPIRES_S, heartbeat_s=PULL_HEARTBEAT_S
+        )
+        await feed.start()
         try:
             while True:
-                try:
-                    msgs = await sub.fetch(FETCH_BATCH, timeout=0.5)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    return
-                if not msgs:
+                burst = await feed.take(0.5)
+                if not burst:
                     continue
-                for msg in msgs:
-                    meta = msg.metadata
-                    record = decode_record(meta.sequence.stream, msg.subject, msg.headers, msg.data)
+                for item in burst:
+                    msg = item.msg
+                    record = decode_record(item.stream_seq, msg.subject, msg.headers, msg.data)
                     counts[0] += 1
                     counts[1] += record.count
                     if decode_events:
                         for raw in record.events:
                             decode(raw)
-                await msgs[-1].ack()
-                if msgs[-1].metadata.num_pending == 0 or msgs[-1].metadata.sequence.stream >= last:
+                await feed.ack(burst[-1])
+                if burst[-1].pending == 0 or burst[-1].stream_seq >= last:
                     return
         finally:
-            await sub.unsubscribe()
+            await feed.stop()
             with contextlib.suppress(Exception):
                 await js.delete_consumer(stream, durable)
 
@@ -407,8 +530,22 @@ async def _main() -> dict[str, Any]:
             await (await SessionLog.connect(Settings(_env_file=None, nats_url=server.url))).close()  # provisions
             deriver = Deriver(server.url, Path(tmp))
             await asyncio.to_thread(deriver.wait_ready)
-            lag = [await lag_run(server.url, rate, LAG_SECONDS) for rate in RATES]
-            derive = await derive_times(server.url)
+            lag: list[dict[str, Any]] = []
+            derive: dict[str, Any] = {}
+            for rate, processes, staggered in RATES:
+                lag.append(
+                    await lag_run(
+                        server.url,
+                        rate,
+                        LAG_SECONDS,
+                        processes=processes,
+                        staggered=staggered,
+                        deriver_pid=deriver.proc.pid,
+                        nats_pid=server.pid,
+                    )
+                )
+                if len(lag) == DERIVE_AFTER_LAG_RUNS:
+                    derive = await derive_times(server.url)
             deriver.stop()
             deriver = None
             rebuilt = await rebuild_rates(server.url)

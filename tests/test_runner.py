@@ -523,6 +523,39 @@ async def test_an_idle_runner_keeps_consuming(harness: Harness, url: str) -> Non
     await assert_equals_clean_rebuild(log, state, writer.session_id)
 
 
+async def test_a_consumer_deleted_under_the_runner_is_recreated_and_nothing_is_lost_or_applied_twice(
+    harness: Harness, url: str
+) -> None:
+    log = await harness.connect(url)
+    runner = await harness.runner(url)
+    writer = await harness.create(log)
+    await streamed_turn(writer, "before the delete")
+    await writer.flush()
+    await runner.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
+    durable = f"{runner.name}-p{partition_of(writer.session_id, PARTITIONS)}"
+    await log.js.delete_consumer(log.settings.stream, durable)  # an operator's mistake, or a server that lost it
+    await streamed_turn(writer, "after the delete")
+    await writer.flush()
+    state = await runner.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
+    await assert_equals_clean_rebuild(log, state, writer.session_id)
+    assert len(state.applied) == len(set(state.applied)), f"a record applied twice: {state.applied}"
+    assert (await log.js.consumer_info(log.settings.stream, durable)).config.durable_name == durable
+
+
+async def test_a_wait_that_times_out_leaves_nothing_behind_so_the_session_can_still_be_evicted(
+    harness: Harness, url: str
+) -> None:
+    log = await harness.connect(url)
+    runner = await harness.runner(url, idle_evict_s=0.3)
+    writer = await harness.create(log)
+    await streamed_turn(writer, "x")
+    await writer.flush()
+    with pytest.raises(TimeoutError):
+        await runner.wait_for(writer.session_id, writer.next_seq + 5, timeout=0.5)
+    assert writer.session_id not in runner._waiters, "a timed-out waiter stays registered"
+    await eventually(lambda: _true(writer.session_id not in runner.states), "the idle session evicted", timeout=5)
+
+
 async def test_a_record_that_arrives_during_an_on_demand_load_is_not_lost(harness: Harness, url: str) -> None:
     log = await harness.connect(url)
     writer = await harness.create(log)

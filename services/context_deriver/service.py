@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import time
 from typing import Any, ClassVar, Final
 
@@ -87,7 +88,10 @@ class ContextDeriverService:
         )
         group = self._service.add_group(name="sessionlog.context")
         for name, handler in (("derive", self.derive), ("plan_replace", self.plan_replace), ("stats", self.stats)):
-            await group.add_endpoint(EndpointConfig(name=name, handler=spawning(SERVICE, name, handler, self._tasks)))
+            immediate = self._derive_is_immediate if name == "derive" else None
+            await group.add_endpoint(
+                EndpointConfig(name=name, handler=spawning(SERVICE, name, handler, self._tasks, immediate))
+            )
 
     def health(self) -> dict[str, Any]:
         return self.runner.health()
@@ -98,6 +102,22 @@ class ContextDeriverService:
         for task in list(self._tasks):
             task.cancel()
         await self.runner.stop()
+
+    def _derive_is_immediate(self, data: bytes) -> bool:
+        """A derive of the latest state of a session held here that has applied `min_seq` waits for nothing
+        (no stream read, no wait), so it is answered without a task of its own."""
+        try:
+            body = json.loads(data)
+        except ValueError:
+            return True  # refused at once
+        if not isinstance(body, dict) or body.get("at_seq") is not None:
+            return False
+        session_id = body.get("session")
+        state = self.runner.states.get(session_id) if isinstance(session_id, str) else None
+        if state is None or not self.runner.owns(state.session_id):
+            return False
+        min_seq = body.get("min_seq")
+        return min_seq is None or (type(min_seq) is int and state.next_seq > min_seq)
 
     # ---------------------------------------------------------------------------------- sessions
 

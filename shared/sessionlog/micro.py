@@ -26,10 +26,18 @@ ERROR_CODE_HEADER: Final = "Nats-Service-Error-Code"
 ERROR_HEADER: Final = "Nats-Service-Error"
 
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
+Immediate = Callable[[bytes], bool]
 
 
-def spawning(service: str, endpoint: str, handler: Handler, tasks: set[asyncio.Task[None]]) -> Any:
-    """A micro handler that answers each request in its own task with `handler(body) -> reply object`."""
+def spawning(
+    service: str, endpoint: str, handler: Handler, tasks: set[asyncio.Task[None]], immediate: Immediate | None = None
+) -> Any:
+    """A micro handler that answers each request in its own task with `handler(body) -> reply object`.
+
+    `immediate(request data)` may say that a request has nothing to wait for (its answer is in memory): it is then
+    answered at once, without a task, which halves what a burst of such requests costs. It must never say so of a
+    request that waits, since the endpoint takes its next request only after an immediate one is answered.
+    """
 
     async def answer(req: Request) -> None:
         start = time.perf_counter()
@@ -55,6 +63,9 @@ def spawning(service: str, endpoint: str, handler: Handler, tasks: set[asyncio.T
             REQUEST_SECONDS.labels(service, endpoint).observe(time.perf_counter() - start)
 
     async def handle(req: Request) -> None:
+        if immediate is not None and immediate(req.data):
+            await answer(req)
+            return
         task = asyncio.create_task(answer(req))
         tasks.add(task)
         task.add_done_callback(tasks.discard)

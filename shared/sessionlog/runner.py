@@ -3,8 +3,9 @@
 A projection here is per session: its state for a session is a pure function of that session's records, kept
 by a `SessionState` with `apply(record)`. The runner feeds it:
 
-- one durable pull consumer per owned partition (`sessionlog.events.<p>.>`), records decoded and applied in
-  order, acknowledged after they are applied (ack-all on the last record of a fetch);
+- one durable pull consumer per owned partition (`sessionlog.events.<p>.>`), fed by a continuous pull
+  (`pull.PullFeed`: requests kept open and topped up, so a live record costs no request of its own); records
+  decoded and applied in order, acknowledged after they are applied (ack-all on the last record of a burst);
 - idempotent: each session state remembers the stream seq of the last record it applied and skips anything at
   or below it, so a redelivery or an overlap with an on-demand load is never applied twice;
 - sessions are loaded on demand from the stream (direct gets) when a record or a query touches one that is not
@@ -27,7 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
+import heapq
+import itertools
 import json
 import logging
 import math
@@ -47,12 +51,20 @@ from .leases import Lease, LeaseHeld, LeaseLost, Leases
 from .log import PURGED_PREFIX, SessionLog
 from .metrics import APPLIED, LAG_EVENTS, LAG_SECONDS, QUARANTINED
 from .provision import partition_of
+from .pull import ConsumerGone, Delivery, PullFeed
 from .record import Record, decode_record, partition_filter, session_of_subject
 
 log = logging.getLogger("sessionlog.runner")
 
-FETCH_BATCH: Final = 256
+FETCH_BATCH: Final = 256  # at most this many records requested and not yet delivered, per partition
 CHECKPOINT_EVERY_S: Final = 1.0
+PULL_EXPIRES_S: Final = 10.0  # a pull request's life; the feed sends the next before it ends
+PULL_HEARTBEAT_S: Final = 1.0  # idle heartbeats; none for three of these and the feed pulls again
+IDLE_WAKE_S: Final = 0.25  # an idle partition still wakes this often (lag metric, checkpoint, stop)
+STOP_GRACE_S: Final = 5.0  # a graceful stop waits this long for the record in hand, then cancels
+
+# The FNV loop of partition_of, once per session rather than once per query.
+_partition_of: Final = functools.lru_cache(maxsize=1 << 16)(partition_of)
 
 
 class SessionState(ABC):
@@ -103,6 +115,16 @@ class _Partition:
     last_time: float = 0.0  # stream time of the last applied record (epoch s)
     pending: int = 0
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    stopping: bool = False  # a graceful stop: finish the record in hand, acknowledge, return
+    applying: bool = False  # a burst is being applied (the stop waits for the record in hand)
+    saving: asyncio.Task[None] | None = None  # the checkpoint write in flight
+    lag_events: Any = None  # the partition's metric children, looked up once
+    lag_seconds: Any = None
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class ProjectionRunner(Generic[S]):
@@ -143,7 +165,10 @@ class ProjectionRunner(Generic[S]):
         self.quarantined: list[Quarantined] = []
         self._partitions: dict[int, _Partition] = {}
         self._loading: dict[str, asyncio.Task[S | None]] = {}
-        self._waiters: dict[str, list[tuple[int, asyncio.Future[None]]]] = {}
+        # Per session, a heap of (seq, tiebreak, future): applying a record pops only the waiters it satisfies.
+        self._waiters: dict[str, list[tuple[int, int, asyncio.Future[None]]]] = {}
+        self._tiebreak = itertools.count()
+        self._applied_events = APPLIED.labels(self.name)
         self._last_access: dict[str, float] = {}
         self._running = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -190,7 +215,7 @@ class ProjectionRunner(Generic[S]):
         return sorted(self._partitions)
 
     def owns(self, session_id: str) -> bool:
-        return partition_of(session_id, self.partition_count) in self._partitions
+        return _partition_of(session_id, self.partition_count) in self._partitions
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         """Until every owned partition has caught up with the stream as it was when it started."""
@@ -227,20 +252,36 @@ class ProjectionRunner(Generic[S]):
         """The session's state once it has applied session seq `seq` (bounded by `timeout`)."""
         deadline = time.monotonic() + timeout
         state = await self.state(session_id)
+        loop = asyncio.get_running_loop()
         while state is None or state.next_seq <= seq:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 have = -1 if state is None else state.next_seq - 1
                 raise TimeoutError(f"session {session_id}: seq {seq} not applied within {timeout}s (have {have})")
-            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.setdefault(session_id, []).append((seq, future))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(future, min(remaining, 0.25))
+            future: asyncio.Future[None] = loop.create_future()
+            entry = (seq, next(self._tiebreak), future)
+            heapq.heappush(self._waiters.setdefault(session_id, []), entry)
+            # Wake at the latest every 0.25 s: a partition lost meanwhile feeds this session no more.
+            timer = loop.call_later(min(remaining, 0.25), _settle, future)
+            try:
+                await future
+            finally:
+                timer.cancel()
+                self._drop_waiter(session_id, entry)
             if not self.owns(session_id):
                 # Not fed by a consumer here: look at the stream again.
                 self._forget(session_id)
-            state = await self.state(session_id)
+            state = self.states.get(session_id) or await self.state(session_id)
         return state
+
+    def _drop_waiter(self, session_id: str, entry: tuple[int, int, asyncio.Future[None]]) -> None:
+        waiters = self._waiters.get(session_id)
+        if waiters is None or entry not in waiters:
+            return  # resolved: `_resolve` has popped it already
+        waiters.remove(entry)
+        heapq.heapify(waiters)
+        if not waiters:
+            del self._waiters[session_id]
 
     # ---------------------------------------------------------------------------------- applying
 
@@ -292,11 +333,12 @@ class ProjectionRunner(Generic[S]):
             return False
         state.last_stream_seq = record.stream_seq
         state.next_seq = record.next_seq
-        APPLIED.labels(self.name).inc(record.count)
+        self._applied_events.inc(len(record.events))
         self.projection.on_applied(state, record)
         return True
 
-    async def _apply_record(self, record: Record) -> None:
+    def _apply_live(self, record: Record) -> bool:
+        """Apply a record without I/O when the session allows it; False when the session must be loaded first."""
         session_id = record.session_id
         if session_id in self.poisoned:
             self._quarantine(
@@ -304,23 +346,32 @@ class ProjectionRunner(Generic[S]):
                 session_id,
                 f"session quarantined since stream seq {self.poisoned[session_id].stream_seq}",
             )
-            return
+            return True
         state = self.states.get(session_id)
-        if state is not None and record.stream_seq <= state.last_stream_seq:
-            return  # already applied (a redelivery, or the load that got here first)
-        if state is not None and record.first_seq == state.next_seq:
+        if state is not None:
+            if record.stream_seq <= state.last_stream_seq:
+                return True  # already applied (a redelivery, or the load that got here first)
+            if record.first_seq != state.next_seq:
+                return False
             if self._apply_to(state, record):
                 self._touch(session_id)
                 self._resolve(state)
             else:
                 self._forget(session_id)
-            return
-        if state is None and record.first_seq == 0 and session_id not in self._loading:
+            return True
+        if record.first_seq == 0 and session_id not in self._loading:
             state = self.projection.new_state(session_id)
             if self._apply_to(state, record):
                 self._store(state)
                 self._resolve(state)
+            return True
+        return False
+
+    async def _apply_record(self, record: Record) -> None:
+        if self._apply_live(record):
             return
+        session_id = record.session_id
+        state = self.states.get(session_id)
         # No state, or one that does not continue into this record: rebuild it from the stream, which holds this
         # record too. A load already in flight may have read the stream before this record landed, so after it
         # the record is applied (or the session reloaded) if the state still does not cover it.
@@ -344,17 +395,13 @@ class ProjectionRunner(Generic[S]):
         waiters = self._waiters.get(state.session_id)
         if not waiters:
             return
-        keep = []
-        for seq, future in waiters:
-            if state.next_seq > seq:
-                if not future.done():
-                    future.set_result(None)
-            elif not future.done():
-                keep.append((seq, future))
-        if keep:
-            self._waiters[state.session_id] = keep
-        else:
-            self._waiters.pop(state.session_id, None)
+        applied = state.next_seq
+        while waiters and waiters[0][0] < applied:
+            future = heapq.heappop(waiters)[2]
+            if not future.done():
+                future.set_result(None)
+        if not waiters:
+            del self._waiters[state.session_id]
 
     def _quarantine(self, stream_seq: int, session_id: str, reason: str) -> None:
         entry = Quarantined(stream_seq=stream_seq, session_id=session_id, reason=reason)
@@ -377,6 +424,8 @@ class ProjectionRunner(Generic[S]):
         if number in self._partitions:
             return
         part = _Partition(number=number, lease=lease)
+        part.lag_events = LAG_EVENTS.labels(self.name, str(number))
+        part.lag_seconds = LAG_SECONDS.labels(self.name, str(number))
         self._partitions[number] = part
         part.task = asyncio.create_task(self._consume(part), name=f"{self.name}-p{number}")
 
@@ -385,11 +434,20 @@ class ProjectionRunner(Generic[S]):
         if part is None:
             return
         if part.task is not None:
-            part.task.cancel()
+            # Graceful: the consumer finishes the record in hand, acknowledges and returns; a load that hangs is
+            # cancelled after a grace period (what it had not applied is after the checkpoint, so nothing is lost).
+            part.stopping = True
+            if part.applying:
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(asyncio.shield(part.task), STOP_GRACE_S)
+            part.task.cancel()  # nothing in hand (waiting for records, or for JetStream): stop at once
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await part.task
+        if part.saving is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await part.saving
         await self._checkpoint(part, force=True)
-        for session_id in [s for s in self.states if partition_of(s, self.partition_count) == number]:
+        for session_id in [s for s in self.states if _partition_of(s, self.partition_count) == number]:
             self._forget(session_id)
         if release and part.lease is not None:
             with contextlib.suppress(Exception):
@@ -420,10 +478,43 @@ class ProjectionRunner(Generic[S]):
             await self._kv.put(self._checkpoint_key(part.number), body)
             part.checkpointed = part.applied
 
+    def _checkpoint_soon(self, part: _Partition) -> None:
+        """Write the checkpoint without holding up the records behind it; one write in flight per partition."""
+        if part.applied > part.checkpointed and (part.saving is None or part.saving.done()):
+            part.saving = asyncio.create_task(self._checkpoint(part))
+
     async def _consume(self, part: _Partition) -> None:
         start = await self._start_seq(part)
         part.applied = start - 1
         part.checkpointed = part.applied
+        while self._running and not part.stopping and not self.log.nc.is_closed:
+            try:
+                await self._follow(part, part.applied + 1)
+                return
+            except (ConsumerGone, nats.errors.Error, SessionLogError) as err:
+                # The consumer was deleted under us, or JetStream did not answer (a leader election, a reconnect).
+                # Go on from what is applied, but only while the partition is still ours: a replica that took it
+                # over recreates the same durable, and must not have it deleted again.
+                if part.lease is not None:
+                    held = part.lease
+                    try:  # a read: refreshing is the claim loop's, and two refreshes would fence each other
+                        now = await self._leases.current(held.session_id)
+                    except Exception as lease_err:  # the lease bucket is down too: the next try finds out
+                        log.debug("%s: partition %d: lease read failed: %s", self.name, part.number, lease_err)
+                        now = held
+                    if now is None or now.epoch != held.epoch:
+                        log.warning("%s: partition %d: %s, and its lease is lost", self.name, part.number, err)
+                        return  # the claim loop disowns it
+                log.warning(
+                    "%s: partition %d: %s; consuming again from stream seq %d",
+                    self.name,
+                    part.number,
+                    err or type(err).__name__,
+                    part.applied + 1,
+                )
+                await asyncio.sleep(0.5)
+
+    async def _follow(self, part: _Partition, start: int) -> None:
         durable = f"{self.name}-p{part.number}"
         js = self.log.js
         with contextlib.suppress(NotFoundError, nats.errors.Error):
@@ -438,55 +529,67 @@ class ProjectionRunner(Generic[S]):
             ack_wait=30,
             inactive_threshold=300,
         )
-        sub = await js.pull_subscribe(
-            partition_filter(part.number), durable=durable, stream=self.settings.stream, config=config
+        info = await js.add_consumer(self.settings.stream, config)
+        part.pending = info.num_pending or 0
+        if part.pending == 0:
+            part.ready.set()
+        feed = PullFeed(
+            self.log.nc,
+            self.settings.stream,
+            durable,
+            batch=FETCH_BATCH,
+            expires_s=PULL_EXPIRES_S,
+            heartbeat_s=PULL_HEARTBEAT_S,
         )
+        await feed.start()
         last_checkpoint = time.monotonic()
         try:
-            while self._running:
-                try:
-                    msgs = await sub.fetch(FETCH_BATCH, timeout=0.25)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    await self._idle(part, sub)
-                    continue
-                if not msgs:  # nats-py answers a fetch with [] when a late status of an expired pull arrives
-                    await self._idle(part, sub)
-                    continue
-                for msg in msgs:
-                    meta = msg.metadata
-                    seq = meta.sequence.stream
-                    part.pending = meta.num_pending
-                    if seq > part.applied:
-                        try:
-                            record = decode_record(seq, msg.subject, msg.headers, msg.data)
-                        except SessionLogError as err:
-                            self._quarantine(seq, session_of_subject(msg.subject), f"{err.code}: {err.message}")
-                        else:
-                            await self._apply_record(record)
-                        part.applied = seq
-                        part.last_time = meta.timestamp.timestamp() if meta.timestamp else time.time()
-                await msgs[-1].ack()
+            while self._running and not part.stopping:
+                burst = await feed.take(IDLE_WAKE_S)
+                if burst:
+                    part.applying = True
+                    try:
+                        done = await self._apply_burst(part, burst)
+                    finally:
+                        part.applying = False
+                    if done is not None:
+                        await feed.ack(done)
+                        part.pending = done.pending
+                        if part.pending == 0:
+                            part.ready.set()
                 self._update_lag(part)
-                if part.pending == 0:
-                    part.ready.set()
-                if time.monotonic() - last_checkpoint >= CHECKPOINT_EVERY_S:
-                    await self._checkpoint(part)
-                    last_checkpoint = time.monotonic()
+                now = time.monotonic()
+                if now - last_checkpoint >= CHECKPOINT_EVERY_S:
+                    self._checkpoint_soon(part)
+                    last_checkpoint = now
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await feed.stop()
 
-    async def _idle(self, part: _Partition, sub: Any) -> None:
-        """Nothing to fetch: the partition is caught up."""
-        part.pending = 0
-        part.ready.set()
-        self._update_lag(part)
-        await self._checkpoint(part)
+    async def _apply_burst(self, part: _Partition, burst: list[Delivery]) -> Delivery | None:
+        """Apply the records of a burst in order; the last one handled (to acknowledge), None when none was."""
+        done: Delivery | None = None
+        for item in burst:
+            if part.stopping:
+                break  # graceful stop: the record in hand is finished; the rest comes again after the checkpoint
+            seq = item.stream_seq
+            if seq > part.applied:
+                msg = item.msg
+                try:
+                    record = decode_record(seq, msg.subject, msg.headers, msg.data)
+                except SessionLogError as err:
+                    self._quarantine(seq, session_of_subject(msg.subject), f"{err.code}: {err.message}")
+                else:
+                    if not self._apply_live(record):
+                        await self._apply_record(record)  # the session must be loaded from the stream first
+                part.applied = seq
+                part.last_time = item.time_ns / 1e9
+            done = item
+        return done
 
     def _update_lag(self, part: _Partition) -> None:
-        LAG_EVENTS.labels(self.name, str(part.number)).set(part.pending)
+        part.lag_events.set(part.pending)
         lag_s = 0.0 if part.pending == 0 or not part.last_time else max(0.0, time.time() - part.last_time)
-        LAG_SECONDS.labels(self.name, str(part.number)).set(lag_s)
+        part.lag_seconds.set(lag_s)
 
     async def _on_purge(self, msg: Any) -> None:
         """An admin erased a session: forget everything about it."""

@@ -1032,3 +1032,25 @@ def test_the_transcript_holds_append_origin_events_only() -> None:
     assert transcript == [*originals, later]
     assert summary not in transcript and rewrite not in transcript
     assert b.session.surface.nodes == (summary, later)
+
+
+def test_a_loaded_log_leaves_its_event_data_out_of_the_garbage_collectors_walks() -> None:
+    # A session holder keeps every event; tracked data made each full collection walk the whole log.
+    import gc
+
+    from sessiongen import event_bytes, tool_result_data, user_message_data
+
+    events = [
+        event_bytes(0, "turn/start", {"turn": 1}),
+        event_bytes(1, "user/message", user_message_data("hi", "u1"), surfaceOp="append"),
+        event_bytes(2, "step/start", {"turn": 1, "step": 1}),
+        event_bytes(
+            3, "assistant/chunk", {"turn": 1, "step": 1, "chunk": {"type": "text-delta", "index": 0, "text": "a"}}
+        ),
+        event_bytes(4, "tool/call", {"turn": 1, "step": 1, "callId": "c1", "name": "read", "arguments": "{}"}),
+        event_bytes(5, "tool/result", tool_result_data(1, 1, "c1", "ok"), surfaceOp="append", sourceEventSeqs=[4]),
+    ]
+    session = Session(events)
+    assert [e.type for e in session][-1] == "tool/result"
+    for event in session:
+        assert not gc.is_tracked(event) and not gc.is_tracked(event.data), event.type

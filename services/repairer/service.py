@@ -21,6 +21,7 @@ from sessionlog.record import Record
 from sessionlog.repair import interrupted_turn_closers
 from sessionlog.runner import Projection, ProjectionRunner, SessionState
 from sessionlog.session import Session
+from sessionlog.tasks import cancel_and_wait
 
 SERVICE: Final = "sessionlog-repair"
 REPAIRER_EPOCH: Final = 0  # every repairer publishes the same closers under the same message id
@@ -97,10 +98,7 @@ class RepairerService:
                 self.projection.open_turns.setdefault(info.id, info.open_turn)
 
     async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._watch
+        await cancel_and_wait(self._watch)
         if self._service is not None:
             await self._service.stop()
         await self.runner.stop()

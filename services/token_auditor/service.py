@@ -35,6 +35,7 @@ from sessionlog.reader import StreamReader
 from sessionlog.record import Record
 from sessionlog.runner import Projection, ProjectionRunner, SessionState
 from sessionlog.session import Session
+from sessionlog.tasks import cancel_and_wait
 
 SERVICE: Final = "sessionlog-audit"
 RAW_CHECKPOINT_EVERY_S: Final = 1.0
@@ -182,9 +183,7 @@ class TokenAuditorService:
 
     async def stop(self) -> None:
         if self._feed is not None:
-            self._feed.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._feed
+            await cancel_and_wait(self._feed)
             await self._raw_checkpoint(force=True)
         if self._service is not None:
             await self._service.stop()

@@ -53,6 +53,7 @@ from .metrics import APPLIED, LAG_EVENTS, LAG_SECONDS, QUARANTINED
 from .provision import partition_of
 from .pull import ConsumerGone, Delivery, PullFeed
 from .record import Record, decode_record, partition_filter, session_of_subject
+from .tasks import cancel_and_wait
 
 log = logging.getLogger("sessionlog.runner")
 
@@ -198,10 +199,7 @@ class ProjectionRunner(Generic[S]):
         """Graceful: finish the record in hand, acknowledge, checkpoint, release claimed partitions."""
         self._running = False
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait(task)
         self._tasks.clear()
         for number in list(self._partitions):
             await self._disown(number, release=True)
@@ -440,9 +438,7 @@ class ProjectionRunner(Generic[S]):
             if part.applying:
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                     await asyncio.wait_for(asyncio.shield(part.task), STOP_GRACE_S)
-            part.task.cancel()  # nothing in hand (waiting for records, or for JetStream): stop at once
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await part.task
+            await cancel_and_wait(part.task)  # nothing in hand (waiting for records, or for JetStream): stop at once
         if part.saving is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await part.saving

@@ -28,6 +28,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 
+from sessionlog.availability import translates_unavailable
 from sessionlog.errors import SessionLogError
 
 HDR_TTL = "Nats-TTL"
@@ -109,6 +110,7 @@ class Leases:
         value = self._decoder.decode(msg.data or b"")
         return Lease(session_id, value.holder, value.epoch or msg.seq, msg.seq, value.ttl_s)
 
+    @translates_unavailable("read the lease of {session_id}")
     async def current(self, session_id: str) -> Lease | None:
         """The live lease of the session, or None when it is free (never held, released or expired)."""
         msg = await self._last(session_id)
@@ -121,6 +123,7 @@ class Leases:
         )
         return int(ack.seq)
 
+    @translates_unavailable("acquire the lease of {session_id}")
     async def acquire(self, session_id: str, holder: str, ttl_s: float) -> Lease:
         """Take the session's lease if it is free (or expired); LeaseHeld when someone holds it."""
         ttl = ttl_header(ttl_s)
@@ -143,6 +146,7 @@ class Leases:
         who = f"held by {current.holder!r} (epoch {current.epoch})" if current else "contended"
         raise LeaseHeld(f"session {session_id}: lease {who}; gave up after {_ACQUIRE_ATTEMPTS} attempts")
 
+    @translates_unavailable("refresh the lease of {lease.session_id}")
     async def refresh(self, lease: Lease, ttl_s: float | None = None) -> Lease:
         """Extend the lease; LeaseLost when it expired or was taken over since `lease.revision`."""
         ttl_s = lease.ttl_s if ttl_s is None else ttl_s
@@ -155,6 +159,7 @@ class Leases:
             raise
         return Lease(lease.session_id, lease.holder, lease.epoch, seq, ttl_s)
 
+    @translates_unavailable("release the lease of {lease.session_id}")
     async def release(self, lease: Lease) -> None:
         """Give the lease up now (a delete that expires itself); LeaseLost if it is no longer this one."""
         headers = {

@@ -20,7 +20,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
 
-from .availability import translates_unavailable
+from .availability import translates_unavailable, unavailable_as_typed
 from .errors import CorruptLog, LogUnavailable
 from .record import ALL_EVENTS, Record, decode_record, events_filter, partition_filter
 
@@ -213,14 +213,15 @@ class StreamReader:
         else:
             subject = ALL_EVENTS
         js = self._nc.jetstream()
-        sub = await js.subscribe(
-            subject,
-            stream=self._stream,
-            ordered_consumer=True,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            config=api.ConsumerConfig(opt_start_seq=max(1, from_stream_seq)),
-            pending_msgs_limit=queue_size,
-        )
+        with unavailable_as_typed(f"follow {subject} on stream {self._stream}"):
+            sub = await js.subscribe(
+                subject,
+                stream=self._stream,
+                ordered_consumer=True,
+                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                config=api.ConsumerConfig(opt_start_seq=max(1, from_stream_seq)),
+                pending_msgs_limit=queue_size,
+            )
         try:
             async for msg in sub.messages:
                 meta = msg.metadata

@@ -133,6 +133,18 @@ async def stream_leader(cluster: Cluster, log: SessionLog) -> int:
     return next(i for i, server in enumerate(cluster.servers) if server.server_name == info.cluster.leader)
 
 
+async def connected_once_recovered(logs: Logs) -> SessionLog:
+    """A new connection (which provisions, so every stream must answer), once the restarted cluster serves."""
+    deadline = time.monotonic() + RECOVERY_S
+    while True:
+        try:
+            return await logs.connect(request_timeout_s=5.0)
+        except LogUnavailable:  # a stream without its leader yet
+            if time.monotonic() > deadline:
+                pytest.fail(f"the cluster did not serve every stream again within {RECOVERY_S}s")
+        await asyncio.sleep(0.25)
+
+
 async def records_once_recovered(log: SessionLog, session_id: str) -> list[Record]:
     """The session's records from the leader, once the stream answers again."""
     deadline = time.monotonic() + RECOVERY_S
@@ -183,7 +195,7 @@ async def test_losing_quorum_is_log_unavailable_and_every_acknowledged_event_sur
 
     for i in doomed:
         await asyncio.to_thread(cluster.restart, i)
-    reader = await logs.connect(request_timeout_s=5.0)
+    reader = await connected_once_recovered(logs)
     records = await records_once_recovered(reader, sid)
     assert_contiguous(records)
     stored = [e for r in records for e in r.events]

@@ -20,7 +20,9 @@ exist, and tests use 1 s.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -118,10 +120,24 @@ class Leases:
 
     async def _write(self, session_id: str, value: _LeaseValue, expected: int, ttl: str) -> int:
         headers = {HDR_TTL: ttl, HDR_EXPECTED_LAST_SUBJECT_SEQ: str(expected)}
-        ack = await self._js.publish(
-            self.subject(session_id), msgspec.json.encode(value), timeout=self.timeout, headers=headers
-        )
-        return int(ack.seq)
+        return await self._publish(self.subject(session_id), msgspec.json.encode(value), headers)
+
+    async def _publish(self, subject: str, payload: bytes, headers: dict[str, str]) -> int:
+        """One lease write; its stream seq. A write nobody stored (no responders while the bucket elects a new
+        leader, or a 503) is sent again within the timeout; a timed-out one is not: it may have landed."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.05
+        while True:
+            try:
+                ack = await self._js.publish(
+                    subject, payload, timeout=max(0.05, deadline - time.monotonic()), headers=headers
+                )
+                return int(ack.seq)
+            except (nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError):
+                if time.monotonic() + delay >= deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     @translates_unavailable("acquire the lease of {session_id}")
     async def acquire(self, session_id: str, holder: str, ttl_s: float) -> Lease:
@@ -169,7 +185,7 @@ class Leases:
             HDR_TTL: ttl_header(lease.ttl_s),
         }
         try:
-            await self._js.publish(self.subject(lease.session_id), b"", timeout=self.timeout, headers=headers)
+            await self._publish(self.subject(lease.session_id), b"", headers)
         except nats.js.errors.APIError as err:
             if err.err_code in _WRONG_LAST_SEQUENCE:
                 raise self._lost(lease, await self.current(lease.session_id)) from err

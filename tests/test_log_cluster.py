@@ -99,17 +99,21 @@ async def turn(writer: SessionWriter, text: str) -> list[bytes]:
 
 
 async def every_stream_has_a_leader(log: SessionLog, timeout: float = 30.0) -> None:
-    """Provisioning returns when the R3 streams exist, not when each has elected a leader; a write in between
-    fails. Wait for the leaders (reported: provision does not wait, and the failure is an untyped nats error)."""
+    """Provisioning returns when the R3 streams exist, not when each has elected a leader and answers direct
+    gets; a write or a read in between fails (LOG_UNAVAILABLE: no responders). Wait for both."""
     deadline = time.monotonic() + timeout
     for resource in resources(log.settings):
         while True:
             with contextlib.suppress(Exception):
                 info = await log.js.stream_info(resource.stream)
                 if info.cluster is not None and info.cluster.leader:
+                    if not resource.config.get("allow_direct"):
+                        break
+                    # Any answer (a message or a 404 status) shows a direct get responder; none raises.
+                    await log.nc.request(f"$JS.API.DIRECT.GET.{resource.stream}", b'{"seq":1}', timeout=1.0)
                     break
             if time.monotonic() > deadline:
-                pytest.fail(f"{resource.label} has no leader after {timeout}s")
+                pytest.fail(f"{resource.label} has no leader answering direct gets after {timeout}s")
             await asyncio.sleep(0.05)
 
 

@@ -21,6 +21,7 @@ loads it as a plugin (`pytest_plugins = ["natsfixtures"]`).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -168,6 +169,17 @@ async def fresh_js(fresh_server: EmbeddedServer) -> AsyncIterator[JetStreamConte
         yield client.jetstream(timeout=5.0)
     finally:
         await client.close()
+
+
+async def reconnect_stopped(nc: Client) -> None:
+    """nats-py's reconnect task can swallow the cancel of `close()` (asyncio.wait_for on Python 3.11) and then
+    retry a dead server forever, which would hang the module loop's shutdown: cancel it until it is gone."""
+    task = getattr(nc, "_reconnection_task", None)
+    for _ in range(100):
+        if task is None or task.done():
+            return
+        task.cancel()
+        await asyncio.sleep(0.02)
 
 
 def new_session_id(prefix: str = "t") -> str:

@@ -423,6 +423,25 @@ async def test_an_expired_lease_leaves_a_marker_and_can_be_taken_over(leases: Le
         await leases.refresh(lease)
 
 
+@on_module_loop
+async def test_a_lease_write_nobody_received_is_sent_again_until_the_bucket_answers(
+    fresh_server: EmbeddedServer, fresh_js: JetStreamContext
+) -> None:
+    # No bucket yet: a lease write finds no stream (no responders), as while a bucket elects a new leader.
+    settings = log_settings(fresh_server.url)
+    leases = Leases(fresh_js, settings.kv_leases, timeout=30.0)
+    acquiring = asyncio.create_task(leases.acquire("s1", "writer-a", 5))
+    await asyncio.sleep(0.3)
+    assert not acquiring.done(), "the write nobody received is retried, not refused"
+    await provision(fresh_js, settings)
+    lease = await asyncio.wait_for(acquiring, 30.0)
+    assert await leases.current("s1") == lease
+
+    nowhere = Leases(fresh_js, "no-such-bucket", timeout=0.5)
+    with pytest.raises(LogUnavailable, match="acquire the lease of s1"):
+        await asyncio.wait_for(nowhere.acquire("s1", "writer-a", 5), 30.0)
+
+
 # --- a cluster -----------------------------------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from conftest import FIXTURES_DIR
 from natsfixtures import log_settings, new_session_id
 
 from bench.synth import LogBuilder
+from sessionlog.embedded import free_port
 from sessionlog.errors import SessionLogError
 from sessionlog.jsonl import encode_jsonl, parse_jsonl, read_jsonl, write_jsonl
 from sessionlog.log import SessionLog
@@ -282,3 +283,20 @@ async def test_cli_refusals_are_one_error_line_and_leave_nothing_visible(
     for _, _, sid in refused:
         await assert_invisible(log, sid)
     assert not (tmp_path / "x.jsonl").exists()
+
+
+async def test_cli_log_commands_with_no_server_listening_print_one_log_unavailable_line(tmp_path: Path) -> None:
+    cli = Cli(f"nats://127.0.0.1:{free_port()}", tmp_path)
+    original = tmp_path / "in.jsonl"
+    write_jsonl(original, header_line("offline"), synthetic_events(1))
+    commands = [
+        ("sessions",),
+        ("export", "offline"),
+        ("import", str(original)),
+        ("tail", "offline"),
+        ("purge", "offline", "--yes"),
+    ]
+    results = await asyncio.gather(*(cli.run(*args) for args in commands))
+    for args, (code, out, err) in zip(commands, results, strict=True):
+        assert code == 1 and out == b"", (args, code, out, err)
+        assert len(err.splitlines()) == 1 and err.startswith("error LOG_UNAVAILABLE: cannot connect"), (args, err)

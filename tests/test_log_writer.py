@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_asyncio
-from natsfixtures import log_settings, new_session_id
+from natsfixtures import log_settings, new_session_id, reconnect_stopped
 
 from sessionlog.embedded import EmbeddedServer
 from sessionlog.errors import LogUnavailable, SessionLogError
@@ -71,18 +71,7 @@ class Logs:
             if not log.nc.is_closed:
                 with contextlib.suppress(Exception):
                     await log.nc.close()
-            await _reconnect_stopped(log)
-
-
-async def _reconnect_stopped(log: SessionLog) -> None:
-    """nats-py's reconnect task can swallow the cancel of `close()` (asyncio.wait_for on Python 3.11) and then
-    retry a dead server forever, which would hang the module loop's shutdown: cancel it until it is gone."""
-    task = getattr(log.nc, "_reconnection_task", None)
-    for _ in range(100):
-        if task is None or task.done():
-            return
-        task.cancel()
-        await asyncio.sleep(0.02)
+            await reconnect_stopped(log.nc)
 
 
 @pytest_asyncio.fixture(loop_scope="module")

@@ -115,13 +115,16 @@ async def connect(settings: Settings | None = None, *, name: str = "sessionlog",
     reconnect_attempts = overrides.pop("max_reconnect_attempts", -1)
     user_error_cb = overrides.pop("error_cb", None)
     last_error: list[BaseException] = []
+    nc_connected = False
 
     async def error_cb(err: Exception) -> None:
         last_error[:] = [err]
         if user_error_cb is not None:
             await user_error_cb(err)
         else:
-            logger.warning("nats: %s", err or type(err).__name__)
+            # A failed first connect is reported once, in its LogUnavailable (the CLI's one error line).
+            level = logging.WARNING if nc_connected else logging.DEBUG
+            logger.log(level, "nats: %s", err or type(err).__name__)
 
     options = {
         **connect_options(settings),
@@ -137,6 +140,7 @@ async def connect(settings: Settings | None = None, *, name: str = "sessionlog",
         raise LogUnavailable(
             f"cannot connect to NATS at {', '.join(servers)}: {cause or type(cause).__name__}"
         ) from cause
+    nc_connected = True
     # nats-py reads this option on every reconnect, so the bounded first attempt does not bound later ones.
     nc.options["max_reconnect_attempts"] = reconnect_attempts
     try:

@@ -20,7 +20,9 @@ exist, and tests use 1 s.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -28,6 +30,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 
+from sessionlog.availability import translates_unavailable
 from sessionlog.errors import SessionLogError
 
 HDR_TTL = "Nats-TTL"
@@ -109,6 +112,7 @@ class Leases:
         value = self._decoder.decode(msg.data or b"")
         return Lease(session_id, value.holder, value.epoch or msg.seq, msg.seq, value.ttl_s)
 
+    @translates_unavailable("read the lease of {session_id}")
     async def current(self, session_id: str) -> Lease | None:
         """The live lease of the session, or None when it is free (never held, released or expired)."""
         msg = await self._last(session_id)
@@ -116,11 +120,26 @@ class Leases:
 
     async def _write(self, session_id: str, value: _LeaseValue, expected: int, ttl: str) -> int:
         headers = {HDR_TTL: ttl, HDR_EXPECTED_LAST_SUBJECT_SEQ: str(expected)}
-        ack = await self._js.publish(
-            self.subject(session_id), msgspec.json.encode(value), timeout=self.timeout, headers=headers
-        )
-        return int(ack.seq)
+        return await self._publish(self.subject(session_id), msgspec.json.encode(value), headers)
 
+    async def _publish(self, subject: str, payload: bytes, headers: dict[str, str]) -> int:
+        """One lease write; its stream seq. A write nobody stored (no responders while the bucket elects a new
+        leader, or a 503) is sent again within the timeout; a timed-out one is not: it may have landed."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.05
+        while True:
+            try:
+                ack = await self._js.publish(
+                    subject, payload, timeout=max(0.05, deadline - time.monotonic()), headers=headers
+                )
+                return int(ack.seq)
+            except (nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError):
+                if time.monotonic() + delay >= deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    @translates_unavailable("acquire the lease of {session_id}")
     async def acquire(self, session_id: str, holder: str, ttl_s: float) -> Lease:
         """Take the session's lease if it is free (or expired); LeaseHeld when someone holds it."""
         ttl = ttl_header(ttl_s)
@@ -143,6 +162,7 @@ class Leases:
         who = f"held by {current.holder!r} (epoch {current.epoch})" if current else "contended"
         raise LeaseHeld(f"session {session_id}: lease {who}; gave up after {_ACQUIRE_ATTEMPTS} attempts")
 
+    @translates_unavailable("refresh the lease of {lease.session_id}")
     async def refresh(self, lease: Lease, ttl_s: float | None = None) -> Lease:
         """Extend the lease; LeaseLost when it expired or was taken over since `lease.revision`."""
         ttl_s = lease.ttl_s if ttl_s is None else ttl_s
@@ -155,6 +175,7 @@ class Leases:
             raise
         return Lease(lease.session_id, lease.holder, lease.epoch, seq, ttl_s)
 
+    @translates_unavailable("release the lease of {lease.session_id}")
     async def release(self, lease: Lease) -> None:
         """Give the lease up now (a delete that expires itself); LeaseLost if it is no longer this one."""
         headers = {
@@ -164,7 +185,7 @@ class Leases:
             HDR_TTL: ttl_header(lease.ttl_s),
         }
         try:
-            await self._js.publish(self.subject(lease.session_id), b"", timeout=self.timeout, headers=headers)
+            await self._publish(self.subject(lease.session_id), b"", headers)
         except nats.js.errors.APIError as err:
             if err.err_code in _WRONG_LAST_SEQUENCE:
                 raise self._lost(lease, await self.current(lease.session_id)) from err

@@ -34,6 +34,7 @@ from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError, NotFoundError
 
+from .availability import is_unavailable, translates_unavailable
 from .connection import connect as nats_connect
 from .errors import (
     Conflict,
@@ -105,6 +106,7 @@ class SessionLog:
         self._kv_sessions: Any = None
 
     @classmethod
+    @translates_unavailable("connect to the log")
     async def connect(cls, settings: Settings | None = None, *, provision_stores: bool = True) -> SessionLog:
         """Connect (starting the embedded server when no URL is set) and make sure the stream and stores exist."""
         settings = settings or Settings()
@@ -136,6 +138,7 @@ class SessionLog:
 
     # ---------------------------------------------------------------------------------- headers
 
+    @translates_unavailable("read the header of session {session_id}")
     async def header(self, session_id: str) -> bytes | None:
         """The session header (its JSONL header line) or None while the session is not visible."""
         check_session_id(session_id)
@@ -161,6 +164,7 @@ class SessionLog:
 
     # ---------------------------------------------------------------------------------- reading
 
+    @translates_unavailable("load session {session_id}")
     async def load(self, session_id: str, *, up_to_seq: int | None = None) -> tuple[bytes, Session, Record | None]:
         """The session header, the validated log (its prefix up to `up_to_seq`, inclusive), and the last record
         read. Raises `SESSION_NOT_FOUND` for a session that is not visible."""
@@ -173,14 +177,13 @@ class SessionLog:
             del events[up_to_seq + 1 :]
         return header, Session(events), records[-1] if records else None
 
+    @translates_unavailable("list sessions")
     async def sessions(self) -> list[SessionInfo]:
         """Every visible session, newest first."""
         try:
             keys = await self._kv_sessions.keys()
         except (NotFoundError, NoKeysError):
             return []
-        except (nats.errors.Error, nats.js.errors.Error) as err:
-            raise LogUnavailable(f"the session list did not answer ({type(err).__name__}: {err})") from None
         out: list[SessionInfo] = []
         for key in keys:
             header = await self.header(key)
@@ -202,6 +205,7 @@ class SessionLog:
 
     # ---------------------------------------------------------------------------------- writing
 
+    @translates_unavailable("create session {session_id}")
     async def create(
         self,
         session_id: str,
@@ -233,6 +237,7 @@ class SessionLog:
             raise
         return SessionWriter(self, session_id, Session(), last_stream_seq=0, lease=lease)
 
+    @translates_unavailable("open session {session_id}")
     async def open(self, session_id: str) -> SessionWriter:
         """Continue a session whose last turn is closed; one a crash left open needs `resume`."""
         lease = await self._acquire(session_id)
@@ -247,6 +252,7 @@ class SessionLog:
             raise
         return SessionWriter(self, session_id, session, last_stream_seq=last.stream_seq if last else 0, lease=lease)
 
+    @translates_unavailable("resume session {session_id}")
     async def resume(self, session_id: str) -> SessionWriter:
         """Load, close a turn a crash left open (SPEC section 7), mark the seed end, durably; refused while a live
         writer holds the session."""
@@ -264,6 +270,7 @@ class SessionLog:
             raise
         return writer
 
+    @translates_unavailable("fork session {source_id} as {new_id}")
     async def fork(self, source_id: str, new_id: str, *, at: int | None = None) -> bytes:
         """Copy the prefix up to `at` (inclusive; default the whole log) into a new session with a seed marker and
         the header lineage. The parent is never touched. Returns the child's header."""
@@ -278,6 +285,7 @@ class SessionLog:
         await self._publish_header(new_id, header_raw)
         return header_raw
 
+    @translates_unavailable("import a session log")
     async def import_log(self, log_file: JsonlLog, session_id: str | None = None) -> tuple[str, int]:
         """Copy a JSONL log into the stream as it is (no closers: a lossless copy). The session becomes visible
         only when every record is written. Returns the id and the number of events."""
@@ -296,6 +304,7 @@ class SessionLog:
     async def import_file(self, path: Path, session_id: str | None = None) -> tuple[str, int]:
         return await self.import_log(read_jsonl(path), session_id)
 
+    @translates_unavailable("export session {session_id}")
     async def export_file(self, session_id: str, path: Path) -> int:
         header, session, _ = await self.load(session_id)
         write_jsonl(path, header, [e.raw for e in session])
@@ -340,6 +349,7 @@ class SessionLog:
 
     # ---------------------------------------------------------------------------------- erasure
 
+    @translates_unavailable("purge session {session_id}")
     async def purge(self, session_id: str) -> None:
         """Erase one session (a privacy request): its records, its raw gateway bytes, its header; every
         projection is told to forget it. Admin only; the streams must have been created with
@@ -356,6 +366,8 @@ class SessionLog:
             except NotFoundError:
                 continue
             except nats.js.errors.APIError as err:
+                if is_unavailable(err):  # a stream without a leader answers 503: not a refusal
+                    raise
                 raise PurgeRefused(
                     f"stream {stream} refuses purges ({err.description}); erasure needs streams created with "
                     "SESSIONLOG_ALLOW_PURGE=true"
@@ -370,16 +382,12 @@ class SessionLog:
     async def _acquire(self, session_id: str) -> _LeaseKeeper:
         check_session_id(session_id)
         holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        try:
-            lease = await self.leases.acquire(session_id, holder, self.settings.lease_ttl_s)
-        except (nats.errors.Error, nats.js.errors.Error) as err:
-            if isinstance(err, nats.js.errors.APIError) and err.code != 503:
-                raise
-            raise LogUnavailable(f"session {session_id}: the lease bucket did not answer ({err})") from None
+        lease = await self.leases.acquire(session_id, holder, self.settings.lease_ttl_s)
         return _LeaseKeeper(self.leases, lease, self.settings.effective_lease_refresh_s)
 
     # ---------------------------------------------------------------------------------- blobs
 
+    @translates_unavailable("store a blob")
     async def put_blob(self, data: bytes, *, media_type: str = "application/octet-stream") -> dict[str, Any]:
         """Store large content in the object store; the returned attachment dict is what events reference."""
         import hashlib
@@ -393,6 +401,7 @@ class SessionLog:
         await store.put(name, data)
         return {"attachmentId": name, "mediaType": media_type, "bytes": len(data)}
 
+    @translates_unavailable("read blob {attachment_id}")
     async def get_blob(self, attachment_id: str) -> bytes:
         store = await self.js.object_store(self.settings.object_store)
         try:

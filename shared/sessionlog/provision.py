@@ -387,6 +387,9 @@ async def _api(js: JetStreamContext, operation: str, body: dict[str, Any] | None
     answer = json.loads(msg.data)
     if not isinstance(answer, dict):
         raise ProvisionFailed(f"JetStream answered {operation} with {answer!r}")
+    error = answer.get("error")
+    if isinstance(error, dict) and error.get("code") == 503:  # no leader or no quorum yet: not a refusal
+        raise LogUnavailable(f"JetStream answered {operation} with 503: {error.get('description')}")
     return answer
 
 

@@ -20,6 +20,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
 
+from .availability import translates_unavailable, unavailable_as_typed
 from .errors import CorruptLog, LogUnavailable
 from .record import ALL_EVENTS, Record, decode_record, events_filter, partition_filter
 
@@ -45,6 +46,7 @@ class StreamReader:
 
     # ---------------------------------------------------------------------------------- low level
 
+    @translates_unavailable("direct get of {subject_filter} on stream {self._stream}")
     async def direct_batch(
         self, subject_filter: str, start_seq: int, *, batch: int = BATCH, max_bytes: int = BATCH_MAX_BYTES
     ) -> tuple[list[RawMessage], int]:
@@ -60,12 +62,7 @@ class StreamReader:
             request = {"seq": start_seq, "batch": batch, "next_by_subj": subject_filter, "max_bytes": max_bytes}
             await self._nc.publish(f"$JS.API.DIRECT.GET.{self._stream}", json.dumps(request).encode(), reply=inbox)
             while True:
-                try:
-                    msg = await sub.next_msg(timeout=self._timeout)
-                except TimeoutError:
-                    raise LogUnavailable(
-                        f"direct get on stream {self._stream} did not answer within {self._timeout}s"
-                    ) from None
+                msg = await sub.next_msg(timeout=self._timeout)
                 headers = msg.headers or {}
                 status = headers.get("Status")
                 if status is not None:
@@ -80,6 +77,7 @@ class StreamReader:
             await sub.unsubscribe()
         return out, pending
 
+    @translates_unavailable("read stream {self._stream} from its leader")
     async def leader_get(self, *, seq: int | None = None, next_by_subj: str | None = None) -> RawMessage | None:
         """One message from the stream leader (never stale), or None when nothing matches."""
         request: dict[str, Any] = {}
@@ -100,6 +98,7 @@ class StreamReader:
         data = base64.b64decode(message.get("data", ""))
         return RawMessage(stream_seq=message["seq"], subject=message["subject"], headers=headers, data=data)
 
+    @translates_unavailable("direct get of the last {subject_filter} on stream {self._stream}")
     async def last_of(self, subject_filter: str) -> RawMessage | None:
         """The newest message matching the filter (direct get `last_by_subj`)."""
         request = json.dumps({"last_by_subj": subject_filter}).encode()
@@ -113,6 +112,7 @@ class StreamReader:
 
     # ---------------------------------------------------------------------------------- sessions
 
+    @translates_unavailable("read session {session_id}")
     async def records(
         self, session_id: str, *, from_stream_seq: int = 1, min_stream_seq: int = 0, up_to_seq: int | None = None
     ) -> list[Record]:
@@ -149,6 +149,7 @@ class StreamReader:
             raise LogUnavailable(f"the log does not reach stream seq {min_stream_seq} for {subject} even on the leader")
         return out
 
+    @translates_unavailable("read session {session_id}")
     async def events(self, session_id: str, *, up_to_seq: int | None = None, min_stream_seq: int = 0) -> list[bytes]:
         """The session's event bytes in order; the prefix ending at `up_to_seq` (inclusive) when given."""
         records = await self.records(session_id, up_to_seq=up_to_seq, min_stream_seq=min_stream_seq)
@@ -157,10 +158,12 @@ class StreamReader:
             del events[up_to_seq + 1 :]
         return events
 
+    @translates_unavailable("read the last record of session {session_id}")
     async def last_record(self, session_id: str) -> Record | None:
         raw = await self.last_of(events_filter(session_id))
         return None if raw is None else decode_record(raw.stream_seq, raw.subject, raw.headers, raw.data)
 
+    @translates_unavailable("find seq {seq} of session {session_id}")
     async def record_of(self, session_id: str, seq: int) -> Record | None:
         """The record holding session seq `seq`, found by binary search over stream sequences: each probe is one
         direct get of the session's next record at or after a stream seq, so the cost is O(log n) gets."""
@@ -210,14 +213,15 @@ class StreamReader:
         else:
             subject = ALL_EVENTS
         js = self._nc.jetstream()
-        sub = await js.subscribe(
-            subject,
-            stream=self._stream,
-            ordered_consumer=True,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            config=api.ConsumerConfig(opt_start_seq=max(1, from_stream_seq)),
-            pending_msgs_limit=queue_size,
-        )
+        with unavailable_as_typed(f"follow {subject} on stream {self._stream}"):
+            sub = await js.subscribe(
+                subject,
+                stream=self._stream,
+                ordered_consumer=True,
+                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                config=api.ConsumerConfig(opt_start_seq=max(1, from_stream_seq)),
+                pending_msgs_limit=queue_size,
+            )
         try:
             async for msg in sub.messages:
                 meta = msg.metadata

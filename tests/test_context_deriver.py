@@ -245,10 +245,9 @@ async def test_a_waiting_derive_does_not_hold_up_other_requests(stack: Stack) ->
         await writer.flush()
     waiting = asyncio.create_task(derive(log, {"session": slow.session_id, "min_seq": 999, "timeout_ms": 2000}))
     await asyncio.sleep(0.1)
-    start = time.monotonic()
     reply = await derive(log, {"session": fast.session_id, "min_seq": fast.durable_seq})
-    assert time.monotonic() - start < 0.5 and reply["seq"] == fast.durable_seq
-    assert not waiting.done()
+    assert reply["seq"] == fast.durable_seq
+    assert not waiting.done(), "the fast answer came while the other request was still waiting"
     with pytest.raises(SessionLogError, match="999"):
         await waiting
 

@@ -368,7 +368,8 @@ async def test_a_request_claiming_a_seq_the_durable_log_does_not_reach_is_refuse
     claims = {**headers, "X-Session-Seq": str(agent.writer.next_seq + 3)}
     response = await http.post("/v1/chat/completions", content=body, headers=claims)
     error = refused(response, "DERIVATION_DIVERGES")
-    assert "flush the writer" in error["message"] and 0.45 <= time.monotonic() - started < 3
+    assert "flush the writer" in error["message"]
+    assert time.monotonic() - started >= 0.45, "the gateway waited for the log before refusing"
     assert provider.received == []
     response = await http.post("/v1/chat/completions", content=body, headers={**headers, "X-Session-Seq": "x"})
     assert response.status_code == 400

@@ -99,10 +99,16 @@ class Harness:
         return writer
 
     async def runner(
-        self, url: str, name: str | None = None, *, start: bool = True, **options: Any
+        self,
+        url: str,
+        name: str | None = None,
+        *,
+        start: bool = True,
+        connection: dict[str, Any] | None = None,
+        **options: Any,
     ) -> ProjectionRunner[CheckedState]:
         """A runner on a connection of its own (as a replica in its own process would have)."""
-        log = await self.connect(url)
+        log = await self.connect(url, **(connection or {}))
         options.setdefault("partitions", ALL)
         runner: ProjectionRunner[CheckedState] = ProjectionRunner(
             log, CheckedDeriver(name or projection_name()), **options
@@ -480,8 +486,8 @@ async def test_wait_for_is_bounded_and_names_the_seq(harness: Harness, url: str)
     await writer.flush()
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=f"seq {writer.next_seq + 5} not applied"):
-        await runner.wait_for(writer.session_id, writer.next_seq + 5, timeout=0.5)
-    assert 0.45 <= time.monotonic() - start < 2.0
+        await asyncio.wait_for(runner.wait_for(writer.session_id, writer.next_seq + 5, timeout=0.5), WAIT_S)
+    assert time.monotonic() - start >= 0.45, "it waited out its timeout before giving up"
     assert await runner.state(new_session_id("absent")) is None, "a session with no records has no state"
 
 
@@ -618,11 +624,8 @@ async def test_two_replicas_split_8_partitions_and_one_takes_over_when_the_other
     b_held = list(b.owned)
 
     # b dies: its tasks stop and its connection drops, nothing released; its leases expire on the server.
-    died = time.monotonic()
     await _die(b)
     await eventually(lambda: _true(a.owned == ALL), f"a takes over b's partitions (a {a.owned})", timeout=8)
-    took = time.monotonic() - died
-    assert took < 6, f"takeover took {took:.1f}s with a {LEASE_TTL_S}s lease"
     for p in b_held:  # the survivor now applies what b applied, live
         writer = writers[p]
         await streamed_turn(writer, "after the takeover")
@@ -634,14 +637,14 @@ async def test_two_replicas_split_8_partitions_and_one_takes_over_when_the_other
 
 async def test_a_replica_that_stops_hands_its_partitions_over_at_once(harness: Harness, url: str) -> None:
     name = projection_name()
-    a = await harness.runner(url, name, start=False, partitions=None, claim=True)
-    b = await harness.runner(url, name, start=False, partitions=None, claim=True)
+    # Leases of a minute: a takeover within the bound below can only come from the release, never from expiry.
+    lasting = {"lease_ttl_s": 60.0, "lease_refresh_s": 0.5}
+    a = await harness.runner(url, name, start=False, partitions=None, claim=True, connection=lasting)
+    b = await harness.runner(url, name, start=False, partitions=None, claim=True, connection=lasting)
     await asyncio.gather(a.start(), b.start())
     await eventually(lambda: _true(len(a.owned) == len(b.owned) == 4), "a fair split")
     await b.stop()  # graceful: releases its leases
-    stopped = time.monotonic()
-    await eventually(lambda: _true(a.owned == ALL), "a takes every partition", timeout=5)
-    assert time.monotonic() - stopped < LEASE_TTL_S + 1.5, "released leases are taken without waiting for expiry"
+    await eventually(lambda: _true(a.owned == ALL), "a takes every partition (released, not expired)", timeout=20)
 
 
 async def _die(runner: ProjectionRunner[Any]) -> None:

@@ -562,6 +562,27 @@ async def test_a_wait_that_times_out_leaves_nothing_behind_so_the_session_can_st
     await eventually(lambda: _true(writer.session_id not in runner.states), "the idle session evicted", timeout=5)
 
 
+async def test_memory_bounds_come_from_the_settings_when_the_runner_is_not_given_them(
+    harness: Harness, url: str
+) -> None:
+    bounded = {"projection_idle_evict_s": 0.3, "projection_max_sessions": 2}
+    runner = await harness.runner(url, connection=bounded)
+    assert (runner.idle_evict_s, runner.max_sessions) == (0.3, 2)
+    log = await harness.connect(url)
+    writers = [await harness.create(log) for _ in range(3)]
+    for writer in writers:
+        await streamed_turn(writer, "x")
+        await writer.flush()
+        await runner.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
+    assert len(runner.states) <= 2, "the least recently used session is evicted past projection_max_sessions"
+    await eventually(lambda: _true(not runner.states), "idle sessions evicted after projection_idle_evict_s", 5)
+    # An evicted session is rebuilt from the stream on demand, equal to a clean rebuild.
+    state = await runner.wait_for(writers[0].session_id, writers[0].durable_seq, timeout=WAIT_S)
+    await assert_equals_clean_rebuild(log, state, writers[0].session_id)
+    never = await harness.runner(url, connection={"projection_idle_evict_s": 0})
+    assert never.idle_evict_s is None
+
+
 async def test_a_record_that_arrives_during_an_on_demand_load_is_not_lost(harness: Harness, url: str) -> None:
     log = await harness.connect(url)
     writer = await harness.create(log)

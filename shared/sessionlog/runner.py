@@ -140,7 +140,7 @@ class ProjectionRunner(Generic[S]):
         claim: bool | None = None,
         from_seq: int | None = None,
         rebuild: bool = False,
-        max_sessions: int = 10_000,
+        max_sessions: int | None = None,
         idle_evict_s: float | None = None,
         replica_id: str | None = None,
     ) -> None:
@@ -158,8 +158,10 @@ class ProjectionRunner(Generic[S]):
         self._fixed = fixed if fixed is not None else list(range(self.partition_count))
         self.from_seq = from_seq
         self.rebuild = rebuild
-        self.max_sessions = max_sessions
-        self.idle_evict_s = idle_evict_s
+        # Memory stays bounded (issue 4): by count, and by idleness; both default to the settings.
+        self.max_sessions = max_sessions if max_sessions is not None else self.settings.projection_max_sessions
+        idle = idle_evict_s if idle_evict_s is not None else self.settings.projection_idle_evict_s
+        self.idle_evict_s: float | None = idle or None
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.states: OrderedDict[str, S] = OrderedDict()
         self.poisoned: dict[str, Quarantined] = {}

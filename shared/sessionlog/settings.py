@@ -138,6 +138,18 @@ class Settings(BaseSettings):
     kv_sessions: str = Field(default="sessionlog-sessions", description="KV bucket of session headers.")
     kv_leases: str = Field(default="sessionlog-leases", description="KV bucket of writer leases (per-message TTL).")
     kv_checkpoints: str = Field(default="sessionlog-checkpoints", description="KV bucket of projection checkpoints.")
+    projection_max_sessions: int = Field(
+        default=10_000,
+        ge=1,
+        description="Sessions one projection replica holds in memory at most; the least recently used is evicted "
+        "and rebuilt from the stream when it is needed again.",
+    )
+    projection_idle_evict_s: float = Field(
+        default=900.0,
+        ge=0,
+        description="Seconds a session may sit untouched in a projection's memory before it is evicted (rebuilt "
+        "from the stream on demand). 0: never evict for idleness.",
+    )
     object_store: str = Field(
         default="sessionlog-blobs", description="Object store of attachments and large tool outputs."
     )

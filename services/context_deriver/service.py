@@ -9,8 +9,6 @@ import time
 from typing import Any, ClassVar, Final
 
 import msgspec
-from nats.micro import add_service
-from nats.micro.service import EndpointConfig, Service
 
 from sessionlog.errors import (
     EventTooLarge,
@@ -22,9 +20,9 @@ from sessionlog.errors import (
 )
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
-from sessionlog.micro import spawning
 from sessionlog.record import Record
 from sessionlog.runner import Projection, ProjectionRunner, SessionState
+from sessionlog.services import ProjectionService
 from sessionlog.session import Session
 
 SERVICE: Final = "sessionlog-context"
@@ -65,43 +63,21 @@ class ContextDeriver(Projection[DeriverState]):
         return DeriverState(session_id)
 
 
-class ContextDeriverService:
+class ContextDeriverService(ProjectionService[DeriverState]):
     """The projection runner plus the micro endpoints."""
 
     def __init__(self, log: SessionLog, runner: ProjectionRunner[DeriverState] | None = None, **runner_options: Any):
-        self.log = log
-        self.runner = runner or ProjectionRunner(log, ContextDeriver(), **runner_options)
-        self._service: Service | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> None:
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
+        super().__init__(log, runner or ProjectionRunner(log, ContextDeriver(), **runner_options))
 
     async def _start(self) -> None:
-        await self.runner.start()
-        self._service = await add_service(
-            self.log.nc, name=SERVICE, version="0.1.0", description="derived model context of sessions"
+        await super()._start()
+        await self._serve_endpoints(
+            SERVICE,
+            "derived model context of sessions",
+            "sessionlog.context",
+            {"derive": self.derive, "plan_replace": self.plan_replace, "stats": self.stats},
+            immediate={"derive": self._derive_is_immediate},
         )
-        group = self._service.add_group(name="sessionlog.context")
-        for name, handler in (("derive", self.derive), ("plan_replace", self.plan_replace), ("stats", self.stats)):
-            immediate = self._derive_is_immediate if name == "derive" else None
-            await group.add_endpoint(
-                EndpointConfig(name=name, handler=spawning(SERVICE, name, handler, self._tasks, immediate))
-            )
-
-    def health(self) -> dict[str, Any]:
-        return self.runner.health()
-
-    async def stop(self) -> None:
-        if self._service is not None:
-            await self._service.stop()
-        for task in list(self._tasks):
-            task.cancel()
-        await self.runner.stop()
 
     def _derive_is_immediate(self, data: bytes) -> bool:
         """A derive of the latest state of a session held here that has applied `min_seq` waits for nothing

@@ -9,17 +9,15 @@ import time
 from typing import Any, ClassVar, Final
 
 import msgspec
-from nats.micro import add_service
-from nats.micro.service import EndpointConfig, Service
 
 from sessionlog.errors import Conflict, InvalidEvent, SessionNotFound
 from sessionlog.ids import check_session_id
 from sessionlog.leases import LeaseHeld, LeaseLost, Leases
 from sessionlog.log import RecordPublisher, SessionLog
-from sessionlog.micro import spawning
 from sessionlog.record import Record
 from sessionlog.repair import interrupted_turn_closers
 from sessionlog.runner import Projection, ProjectionRunner, SessionState
+from sessionlog.services import ProjectionService
 from sessionlog.session import Session
 from sessionlog.tasks import cancel_and_wait
 
@@ -55,40 +53,22 @@ class Repairer(Projection[RepairState]):
             self.open_turns[state.session_id] = state.session.open_turn
 
 
-class RepairerService:
+class RepairerService(ProjectionService[RepairState]):
     def __init__(self, log_: SessionLog, **runner_options: Any) -> None:
-        self.log = log_
-        self.settings = log_.settings
         self.projection = Repairer()
-        self.runner: ProjectionRunner[RepairState] = ProjectionRunner(log_, self.projection, **runner_options)
+        super().__init__(log_, ProjectionRunner(log_, self.projection, **runner_options))
         self.leases = Leases(log_.js, self.settings.kv_leases, timeout=self.settings.request_timeout_s)
         self.repaired: list[tuple[str, int]] = []  # (session, closers) this replica landed
         self._free_since: dict[str, float] = {}
-        self._service: Service | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._watch: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
-
     async def _start(self) -> None:
-        await self.runner.start()
+        await super()._start()
         await self._learn_open_turns()
-        self._service = await add_service(
-            self.log.nc, name=SERVICE, version="0.1.0", description="closes turns whose writer died"
-        )
-        group = self._service.add_group(name="sessionlog.repair")
-        await group.add_endpoint(
-            EndpointConfig(name="close", handler=spawning(SERVICE, "close", self._close, self._tasks))
+        await self._serve_endpoints(
+            SERVICE, "closes turns whose writer died", "sessionlog.repair", {"close": self._close}
         )
         self._watch = asyncio.create_task(self._watch_loop(), name="repairer-watch")
-
-    def health(self) -> dict[str, Any]:
-        return self.runner.health()
 
     async def _learn_open_turns(self) -> None:
         """Every session whose last record says a turn is open: turns that no record of ours will ever show (a
@@ -99,9 +79,7 @@ class RepairerService:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._watch)
-        if self._service is not None:
-            await self._service.stop()
-        await self.runner.stop()
+        await super().stop()
 
     async def _close(self, body: dict[str, Any]) -> dict[str, Any]:
         session_id = body.get("session")

@@ -13,8 +13,6 @@ from typing import Any, ClassVar, Final
 import nats.errors
 from nats.js import api
 from nats.js.errors import KeyNotFoundError, NotFoundError
-from nats.micro import add_service
-from nats.micro.service import EndpointConfig, Service
 from prometheus_client import Counter
 
 from sessionlog.audit import (
@@ -29,11 +27,11 @@ from sessionlog.audit import (
 from sessionlog.errors import InvalidEvent, LogUnavailable, SessionNotFound
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
-from sessionlog.micro import spawning
 from sessionlog.provision import RAW_ALL
 from sessionlog.reader import StreamReader
 from sessionlog.record import Record
 from sessionlog.runner import Projection, ProjectionRunner, SessionState
+from sessionlog.services import ProjectionService
 from sessionlog.session import Session
 from sessionlog.tasks import cancel_and_wait
 
@@ -138,45 +136,29 @@ async def read_raw_exchanges(nc: Any, raw_stream: str, session_id: str, *, timeo
     return out
 
 
-class TokenAuditorService:
+class TokenAuditorService(ProjectionService[AuditState]):
     """The projection runner, the raw-tee feed and the `sessionlog.audit.report` endpoint."""
 
     def __init__(self, log_: SessionLog, *, raw_feed: bool = True, **runner_options: Any) -> None:
-        self.log = log_
-        self.settings = log_.settings
-        aliases = dict(self.settings.provider_model_map)
-        self.projection = TokenAuditor(aliases)
-        self.runner: ProjectionRunner[AuditState] = ProjectionRunner(log_, self.projection, **runner_options)
+        self.projection = TokenAuditor(dict(log_.settings.provider_model_map))
+        super().__init__(log_, ProjectionRunner(log_, self.projection, **runner_options))
         self._raw_feed = raw_feed
         self._rebuild = bool(runner_options.get("rebuild"))
-        self._service: Service | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._feed: asyncio.Task[None] | None = None
         self.raw_applied = 0  # stream seq of the last raw-tee message the feed handled
         self._raw_checkpointed = 0
 
-    async def start(self) -> None:
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
-
     async def _start(self) -> None:
-        await self.runner.start()
+        await super()._start()
         if self._raw_feed:
             start = await self._raw_start_seq()
             self._feed = asyncio.create_task(self._feed_loop(start), name="token-auditor-raw")
-        self._service = await add_service(
-            self.log.nc, name=SERVICE, version="0.1.0", description="token ledger and audit findings of sessions"
-        )
-        group = self._service.add_group(name="sessionlog.audit")
-        await group.add_endpoint(
-            EndpointConfig(name="report", handler=spawning(SERVICE, "report", self._report, self._tasks))
+        await self._serve_endpoints(
+            SERVICE, "token ledger and audit findings of sessions", "sessionlog.audit", {"report": self._report}
         )
 
     def health(self) -> dict[str, Any]:
-        health = self.runner.health()
+        health = super().health()
         health["raw_feed"] = self._feed is not None and not self._feed.done()
         health["raw_applied"] = self.raw_applied
         return health
@@ -185,11 +167,7 @@ class TokenAuditorService:
         if self._feed is not None:
             await cancel_and_wait(self._feed)
             await self._raw_checkpoint(force=True)
-        if self._service is not None:
-            await self._service.stop()
-        for task in list(self._tasks):
-            task.cancel()
-        await self.runner.stop()
+        await super().stop()
 
     # ---------------------------------------------------------------------------------- raw tee
 

@@ -25,6 +25,7 @@ from sessionlog.log import SessionLog
 from sessionlog.metrics import PortInUse
 from sessionlog.record import Record
 from sessionlog.runner import Projection, ProjectionRunner, SessionState
+from sessionlog.services import ProjectionService
 from sessionlog.session import Session
 from sessionlog.transcript import (
     EntryUpdate,
@@ -128,18 +129,16 @@ def _int_param(request: Request, name: str) -> int | None:
     return int(value)
 
 
-class UIReplayerService:
+class UIReplayerService(ProjectionService[UIState]):
     """The projection runner plus the HTTP app: session list, transcript page, live tail (SSE) and JSON."""
 
     def __init__(
         self, log_: SessionLog, *, host: str | None = None, port: int | None = None, **runner_options: Any
     ) -> None:
-        self.log = log_
-        self.settings = log_.settings
+        self.projection = UIReplayer()
+        super().__init__(log_, ProjectionRunner(log_, self.projection, **runner_options))
         self.host = host if host is not None else self.settings.ui_host
         self.port = port if port is not None else self.settings.ui_port
-        self.projection = UIReplayer()
-        self.runner: ProjectionRunner[UIState] = ProjectionRunner(log_, self.projection, **runner_options)
         self._headers: OrderedDict[str, bytes] = OrderedDict()
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -152,15 +151,8 @@ class UIReplayerService:
 
     # ---------------------------------------------------------------------------------- lifecycle
 
-    async def start(self) -> None:
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
-
     async def _start(self) -> None:
-        await self.runner.start()
+        await super()._start()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it every
         # response (headers and body are two writes) waits ~40 ms for the client's delayed ACK.
@@ -187,7 +179,7 @@ class UIReplayerService:
         log.info("ui-replayer on %s", self.url)
 
     def health(self) -> dict[str, Any]:
-        health = self.runner.health()
+        health = super().health()
         health["url"] = self.url
         health["live_tails"] = sum(len(v) for v in self.projection.listeners.values())
         return health
@@ -203,7 +195,7 @@ class UIReplayerService:
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(self._task, 10)
-        await self.runner.stop()
+        await super().stop()
 
     # ---------------------------------------------------------------------------------- sessions
 

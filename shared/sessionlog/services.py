@@ -9,16 +9,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol
+
+from nats.micro import add_service
+from nats.micro.service import EndpointConfig, Service
 
 from .log import SessionLog
 from .metrics import HealthServer
+from .micro import Handler, Immediate, spawning
+from .runner import ProjectionRunner, S
 from .settings import Settings
+from .tasks import cancel_and_wait
 
 log = logging.getLogger("sessionlog.services")
 
@@ -27,6 +34,57 @@ class ServiceHandle(Protocol):
     async def stop(self) -> None: ...
 
     def health(self) -> dict[str, Any]: ...
+
+
+class ProjectionService(Generic[S]):
+    """What every projection service shares: its runner, its NATS micro endpoints (a task per request), a start
+    that stops whatever it had started when a step fails, and a stop that ends the endpoints, the requests they
+    are answering and the runner. A service adds its own steps by extending `_start` and `stop`."""
+
+    def __init__(self, log_: SessionLog, runner: ProjectionRunner[S]) -> None:
+        self.log = log_
+        self.settings = log_.settings
+        self.runner = runner
+        self._service: Service | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        await self.runner.start()
+
+    async def _serve_endpoints(
+        self,
+        name: str,
+        description: str,
+        group: str,
+        endpoints: Mapping[str, Handler],
+        immediate: Mapping[str, Immediate] | None = None,
+    ) -> None:
+        """The micro service `name` with one endpoint per entry, under the subject prefix `group`."""
+        self._service = await add_service(
+            self.log.nc, name=name, version=importlib.metadata.version("sessionlog"), description=description
+        )
+        subjects = self._service.add_group(name=group)
+        for endpoint, handler in endpoints.items():
+            answer = spawning(name, endpoint, handler, self._tasks, (immediate or {}).get(endpoint))
+            await subjects.add_endpoint(EndpointConfig(name=endpoint, handler=answer))
+
+    def health(self) -> dict[str, Any]:
+        return self.runner.health()
+
+    async def stop(self) -> None:
+        if self._service is not None:
+            await self._service.stop()
+            self._service = None
+        for task in list(self._tasks):
+            await cancel_and_wait(task)
+        await self.runner.stop()
 
 
 @dataclass(frozen=True)

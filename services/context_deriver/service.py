@@ -138,6 +138,8 @@ class ContextDeriverService(ProjectionService[DeriverState]):
         min_seq = _opt_int(body, "min_seq")
         at_seq = _opt_int(body, "at_seq")
         page = _opt_int(body, "page") or 0
+        known_generation = _opt_int(body, "known_generation")
+        known_count = _opt_int(body, "known_count")
         timeout = (_opt_int(body, "timeout_ms") or int(self.log.settings.request_timeout_s * 1000)) / 1000
         targets = [s for s in (min_seq, at_seq) if s is not None]
         wait_for = max(targets) if targets else None
@@ -164,6 +166,16 @@ class ContextDeriverService(ProjectionService[DeriverState]):
             "open_step": [session.open_turn, session.open_step.number] if session.open_step is not None else None,
         }
         limit = int(self.log.nc.max_payload * PAGE_FRACTION)
+        if known_generation == session.generation and known_count is not None and at_seq is None and page == 0:
+            # The caller holds the first `known_count` messages of this generation: a generation's messages only
+            # grow, so those are this derivation's first ones too (`sha256`, of the whole list, lets it check).
+            messages = session.derive_messages()
+            if known_count <= len(messages):
+                reply["messages_from"] = known_count
+                added = b"[" + b",".join(m.canonical for m in messages[known_count:]) + b"]"
+                if len(msgspec.json.encode(reply)) + 64 + len(added) <= limit:
+                    return _with_messages(reply, added)
+                del reply["messages_from"]  # too many to send at once: the whole list, paged
         head = len(msgspec.json.encode(reply)) + 64  # every page carries the header and the envelope
         if head + len(messages_body) <= limit and page == 0:
             return _with_messages(reply, messages_body)

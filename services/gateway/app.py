@@ -201,7 +201,9 @@ class Gateway:
             if self.config.derivation == "stream":
                 self._source = stream
             else:
-                self._source = ContextDeriverClient(log_.nc, stream, timeout_s=self.config.deriver_timeout_s)
+                self._source = ContextDeriverClient(
+                    log_.nc, stream, timeout_s=self.config.deriver_timeout_s, max_sessions=self.config.max_sessions
+                )
         if self.config.raw_tee:
             self._tee = RawTee(
                 log_.js, stream=self.config.raw_stream, max_payload=log_.nc.max_payload, metrics=self.metrics

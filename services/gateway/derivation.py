@@ -36,7 +36,7 @@ from sessionlog.errors import (
 )
 from sessionlog.events import Message, RequestHeader, canonical_json
 from sessionlog.log import SessionLog
-from sessionlog.session import DerivedMessage, FoldedHeader, Session
+from sessionlog.session import DerivedMessage, DerivedMessages, FoldedHeader, Session
 from sessionlog.wire import PHRASE
 
 log = logging.getLogger("sessionlog.gateway")
@@ -172,6 +172,7 @@ class _DeriveReply(msgspec.Struct):
     next_page: Any = None
     open_step: Any = msgspec.UNSET
     seqs: list[int] | None = None
+    messages_from: int | None = None  # set when `messages` are only those after the first `known_count`
 
 
 _reply_decoder: Final = msgspec.json.Decoder(_DeriveReply)
@@ -205,8 +206,39 @@ def _open_step(value: Any) -> tuple[int, int] | None:
     return (0, 0) if value is True else None
 
 
+class _Known:
+    """What this gateway last received of one session's derivation: one generation's messages, which only grow,
+    and the SHA-256 state of `[m0,m1,...` so a longer list is checked by hashing only what was added."""
+
+    __slots__ = ("generation", "hasher", "items")
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+        self.items: list[DerivedMessage] = []
+        self.hasher = hashlib.sha256(b"[")
+
+    def extend(self, raws: list[bytes], seqs: Sequence[int]) -> None:
+        """Add messages in order; `seqs` gives their seqs when the deriver sent them (else -1)."""
+        for i, raw in enumerate(raws):
+            self.hasher.update(b"," + raw if self.items else raw)
+            self.items.append(DerivedMessage(seqs[i] if i < len(seqs) else -1, raw, _message_decoder.decode(raw)))
+
+    def sha256(self) -> str:
+        final = self.hasher.copy()
+        final.update(b"]")
+        return final.hexdigest()
+
+    def view(self) -> DerivedMessages:
+        return DerivedMessages(self.items, len(self.items))
+
+
 class ContextDeriverClient:
     """Asks the context-deriver for the derivation; falls back to `fallback` on timeout or no responders.
+
+    It remembers the messages it last received per session (LRU, `max_sessions`) and tells the deriver
+    (`known_generation`, `known_count`): within a generation the messages only grow, so the deriver sends only
+    the ones added (`messages_from`), and the whole list's `sha256` is checked against the remembered ones plus the
+    new. A list that does not check out is fetched again whole.
 
     The reply must say whether a step is open (`open_step`: `{turn, step}` or null), which the invariant needs;
     a reply without it is answered from the stream instead (and the stream is used for a minute after). `seqs`,
@@ -215,14 +247,23 @@ class ContextDeriverClient:
     """
 
     def __init__(
-        self, nc: Client, fallback: DerivationSource, *, timeout_s: float = 2.0, subject: str = DERIVE_SUBJECT
+        self,
+        nc: Client,
+        fallback: DerivationSource,
+        *,
+        timeout_s: float = 2.0,
+        subject: str = DERIVE_SUBJECT,
+        max_sessions: int = 1024,
     ) -> None:
         self._nc = nc
         self._fallback = fallback
         self._timeout = timeout_s
         self._subject = subject
         self.fallbacks = 0
+        self.incremental = 0  # replies that carried only the added messages
         self._skip_until = 0.0
+        self._known: OrderedDict[str, _Known] = OrderedDict()
+        self._max = max_sessions
 
     async def _request(self, body: dict[str, Any]) -> _DeriveReply:
         reply = await self._nc.request(self._subject, msgspec.json.encode(body), timeout=self._timeout)
@@ -243,8 +284,21 @@ class ContextDeriverClient:
         if time.monotonic() < self._skip_until:
             self.fallbacks += 1
             return await self._fallback.derive(session_id, min_seq)
+        known = self._known.get(session_id)
         try:
-            first = await self._request(body)
+            if known is not None:
+                first = await self._request(
+                    {**body, "known_generation": known.generation, "known_count": len(known.items)}
+                )
+                if first.messages_from is not None:
+                    if first.open_step is not msgspec.UNSET and self._extend(known, first):
+                        self.incremental += 1
+                        self._known.move_to_end(session_id)
+                        return self._derivation(session_id, first, known, min_seq)
+                    self._known.pop(session_id, None)  # it does not check out: fetch the whole list
+                    first = await self._request(body)
+            else:
+                first = await self._request(body)
             replies = [first]
             while replies[-1].next_page is not None:
                 replies.append(await self._request({**body, "page": replies[-1].next_page}))
@@ -263,23 +317,41 @@ class ContextDeriverClient:
             return await self._fallback.derive(session_id, min_seq)
         raws = [bytes(m) for r in replies for m in r.messages]
         seqs = [s for r in replies for s in (r.seqs or ())]
-        if first.sha256 is not None:
-            joined = b"[" + b",".join(raws) + b"]"
-            if hashlib.sha256(joined).hexdigest() != first.sha256:
-                raws = [canonical_json(m) for m in raws]
-                joined = b"[" + b",".join(raws) + b"]"
-                if hashlib.sha256(joined).hexdigest() != first.sha256:
-                    raise CorruptLog(f"context-deriver reply for {session_id}: messages do not match their sha256")
+        fresh = _Known(first.generation)
+        fresh.extend(raws, seqs)
+        if first.sha256 is not None and fresh.sha256() != first.sha256:
+            fresh = _Known(first.generation)
+            fresh.extend([canonical_json(m) for m in raws], seqs)
+            if fresh.sha256() != first.sha256:
+                raise CorruptLog(f"context-deriver reply for {session_id}: messages do not match their sha256")
+        self._known[session_id] = fresh
+        self._known.move_to_end(session_id)
+        while len(self._known) > self._max:
+            self._known.popitem(last=False)
+        return self._derivation(session_id, first, fresh, min_seq)
+
+    def _extend(self, known: _Known, reply: _DeriveReply) -> bool:
+        """Add an incremental reply's messages to what is known; False (and nothing changed) unless the reply
+        continues exactly what this client holds and the whole list's sha256 checks out."""
+        if reply.generation != known.generation or reply.messages_from != len(known.items) or reply.sha256 is None:
+            return False
+        trial = known.hasher.copy()
+        raws = [bytes(m) for m in reply.messages]
+        for i, raw in enumerate(raws):
+            trial.update(b"," + raw if known.items or i else raw)
+        trial.update(b"]")
+        if trial.hexdigest() != reply.sha256:
+            return False
+        known.extend(raws, reply.seqs or ())
+        return True
+
+    def _derivation(self, session_id: str, first: _DeriveReply, known: _Known, min_seq: int | None) -> Derivation:
         if min_seq is not None and first.seq < min_seq:
             raise _not_reached(session_id, min_seq, first.seq, self._timeout)
-        messages = [
-            DerivedMessage(seqs[i] if i < len(seqs) else -1, raw, _message_decoder.decode(raw))
-            for i, raw in enumerate(raws)
-        ]
         return Derivation(
             session_id=session_id,
             seq=first.seq,
-            messages=tuple(messages),
+            messages=known.view(),
             header=_folded_header(bytes(first.header)),
             open_step=_open_step(first.open_step),
             generation=first.generation,

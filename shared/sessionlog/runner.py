@@ -471,10 +471,13 @@ class ProjectionRunner(Generic[S]):
             return
         if part.applied == 0:
             return
-        body = json.dumps({"stream_seq": part.applied, "replica": self.replica_id, "time": time.time()}).encode()
+        # What is written is what was applied when the write began: records applied while it is in flight are
+        # not covered by it (a later checkpoint covers them).
+        applied = part.applied
+        body = json.dumps({"stream_seq": applied, "replica": self.replica_id, "time": time.time()}).encode()
         with contextlib.suppress(Exception):
             await self._kv.put(self._checkpoint_key(part.number), body)
-            part.checkpointed = part.applied
+            part.checkpointed = max(part.checkpointed, applied)
 
     def _checkpoint_soon(self, part: _Partition) -> None:
         """Write the checkpoint without holding up the records behind it; one write in flight per partition."""

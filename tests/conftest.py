@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+# The shared helpers assert (assert_contiguous, ...): rewrite them as pytest rewrites a test module's asserts.
+pytest.register_assert_rewrite("scaffold", "sessiongen")
 
 # CI runs on 2 cores with a 90-minute limit for everything: keep property tests bounded there.
 settings.register_profile(

@@ -7,12 +7,13 @@ module-scoped `nc` / `js` must run on the module's event loop: mark them
 `asyncio_default_test_loop_scope = "module"` in pyproject.
 
 `nats_server` is one embedded server per test module, on a free port in a temporary folder, killed at the end;
-`provisioned` is the log layout provisioned there once. With `SESSIONLOG_TEST_NATS_URL` set, tests use that server
-instead and start nothing. With `SESSIONLOG_TEST_NATS=testcontainers` (and a Docker engine), each module's server
-is the official NATS image (`SESSIONLOG_TEST_NATS_IMAGE`, default `nats:2.11`) started by testcontainers. The event
-stream's subjects are fixed (`sessionlog.in.*`) and stream subjects may not overlap within an account, so one
-server holds one log: a test that needs its own layout (other settings, a mismatch) takes `fresh_server` /
-`fresh_js`, a server of its own (starting one takes ~50 ms).
+`provisioned` is the log layout provisioned there once, `url` its address and `log` one connection to it. With
+`SESSIONLOG_TEST_NATS_URL` set, tests use that server instead and start nothing. With
+`SESSIONLOG_TEST_NATS=testcontainers` (and a Docker engine), each module's server is the official NATS image
+(`SESSIONLOG_TEST_NATS_IMAGE`, default `nats:2.11`) started by testcontainers. The event stream's subjects are fixed
+(`sessionlog.in.*`) and stream subjects may not overlap within an account, so one server holds one log: a test that
+needs its own layout (other settings, a mismatch) takes `fresh_server` / `fresh_js`, a server of its own (starting
+one takes ~50 ms).
 Tests sharing a server use session ids of their own (`new_session_id()`).
 
 PYTEST_DONT_REWRITE: this module holds no assertions, and test modules import its helpers before pytest
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,13 +38,17 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from sessionlog.embedded import Cluster, EmbeddedServer
+from sessionlog.log import SessionLog
 from sessionlog.provision import provision
 from sessionlog.settings import Settings
+from sessionlog.tasks import cancel_and_wait
 
 TEST_URL_ENV = "SESSIONLOG_TEST_NATS_URL"
 TEST_BACKEND_ENV = "SESSIONLOG_TEST_NATS"  # "embedded" (default) or "testcontainers"
 TEST_IMAGE_ENV = "SESSIONLOG_TEST_NATS_IMAGE"
 DEFAULT_IMAGE = "nats:2.11"
+WAIT_S = 10.0  # the bound of every wait for something to happen on the server
+CLOSE_S = 5.0  # the bound of draining one connection at teardown
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,23 @@ async def provisioned(nats_server: EmbeddedServer | ExternalServer, js: JetStrea
 
 
 @pytest.fixture
+def url(nats_server: EmbeddedServer | ExternalServer, provisioned: Settings) -> str:
+    """The url of the module's provisioned log."""
+    return nats_server.url
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def log(provisioned: Settings) -> AsyncIterator[SessionLog]:
+    """One connection to the module's provisioned log, drained at the module's end (bounded: the server may be
+    gone by then)."""
+    connection = await SessionLog.connect(provisioned)
+    try:
+        yield connection
+    finally:
+        await bounded(connection.close(), CLOSE_S)
+
+
+@pytest.fixture
 def fresh_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
     """A server of the test's own, killed when the test ends."""
     server = start_server(tmp_path / "nats")
@@ -169,6 +191,14 @@ async def fresh_js(fresh_server: EmbeddedServer) -> AsyncIterator[JetStreamConte
         yield client.jetstream(timeout=5.0)
     finally:
         await client.close()
+
+
+async def bounded(step: Awaitable[Any], timeout: float = WAIT_S) -> None:
+    """One teardown step, given `timeout` and then cancelled until it ends; what it raises is logged, not raised
+    (`asyncio.wait_for` is not enough: on Python 3.11 it can swallow its own cancel and wait on forever)."""
+    task = asyncio.ensure_future(step)
+    await asyncio.wait({task}, timeout=timeout)
+    await cancel_and_wait(task)
 
 
 async def reconnect_stopped(nc: Client) -> None:

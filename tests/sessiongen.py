@@ -13,10 +13,14 @@ last turn, left open).
 
 The pairing and range computations here are written from the SPEC, not from the library's internals, so the
 generator is an independent check of what "a tool-pair-safe compaction" means.
+
+The event data builders (`user_message_data`, `assistant_message_data`, `tool_result_data`, ...) and the turns written
+through a live `SessionWriter` (`closed_turn`, `streamed_turn`, `compact_all`) serve the tests against a server.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +28,8 @@ from typing import Any
 import msgspec
 from hypothesis import strategies as st
 
-from sessionlog.events import ToolCallBlock, ToolResultBlock
+from sessionlog.events import Event, ToolCallBlock, ToolResultBlock
+from sessionlog.log import SessionWriter
 from sessionlog.repair import interrupted_turn_closers
 from sessionlog.session import Session, messages_canonical, messages_json
 
@@ -111,6 +116,11 @@ def tool_result_data(
     if meta is not None:
         data["meta"] = meta
     return data
+
+
+def assistant_message_data(turn: int, step: int, blocks: list[dict[str, Any]], msg_id: str) -> dict[str, Any]:
+    message = {"id": msg_id, "role": "assistant", "source": {"kind": "model", "provider": "p", "model": "m"}}
+    return {"turn": turn, "step": step, "message": {**message, "content": blocks}}
 
 
 NOT_STARTED_ERROR = {"name": "ToolNotStartedError", "code": "TOOL_NOT_STARTED"}
@@ -665,3 +675,89 @@ def generated_sessions(draw: Any, max_turns: int = 5, max_steps: int = 4) -> Gen
     return GeneratedSession(
         events=tuple(builder.events), session=builder.session, checkpoints=tuple(builder.checkpoints)
     )
+
+
+# ---------------------------------------------------------------------------------------------- a live writer
+
+
+async def closed_turn(writer: SessionWriter, text: str = "Hello.") -> list[Event]:
+    """One whole turn: a user message, a step that answers with text."""
+    turn = writer.session.last_turn + 1
+    return [
+        await writer.emit("turn/start", {"turn": turn}),
+        await writer.emit("user/message", user_message_data(text, f"u{turn}"), surface_op="append"),
+        await writer.emit("step/start", {"turn": turn, "step": 1}),
+        await writer.emit(
+            "assistant/message",
+            assistant_message_data(turn, 1, [text_block(f"answer {turn}")], f"a{turn}"),
+            surface_op="append",
+            source_event_seqs=[],
+        ),
+        await writer.emit("step/end", {"turn": turn, "step": 1}),
+        await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}}),
+    ]
+
+
+async def streamed_turn(writer: SessionWriter, text: str, *, deltas: int = 5, tools: int = 1) -> None:
+    """One whole turn as an agent writes it: header, streamed chunks, an assistant message that calls tools, the
+    calls and results, then a step that answers; flushed where an agent flushes (before requests and tools)."""
+    session = writer.session
+    turn = session.last_turn + 1
+    await writer.emit("turn/start", {"turn": turn})
+    await writer.emit("user/message", user_message_data(text, f"u{turn}-{uuid.uuid4().hex[:6]}"), surface_op="append")
+    await writer.emit("step/start", {"turn": turn, "step": 1})
+    if session.fold_request_header() is None or turn % 3 == 0:
+        header = {"config": {"provider": "p", "model": "m", "temperature": 0.1 * (turn % 5)}, "system": f"sys {turn}"}
+        reason = "initial" if session.fold_request_header() is None else "change"
+        await writer.emit("request/header", {"header": header, "reason": reason})
+    await writer.flush()  # before the provider request
+    first = writer.next_seq
+    await writer.emit(
+        "assistant/chunk", {"turn": turn, "step": 1, "chunk": {"type": "block-start", "index": 0, "blockType": "text"}}
+    )
+    for i in range(deltas):
+        await writer.emit(
+            "assistant/chunk", {"turn": turn, "step": 1, "chunk": {"type": "text-delta", "index": 0, "text": f"t{i} "}}
+        )
+    said = "".join(f"t{i} " for i in range(deltas))
+    await writer.emit(
+        "assistant/chunk",
+        {"turn": turn, "step": 1, "chunk": {"type": "block-end", "index": 0, "block": text_block(said)}},
+    )
+    calls = [tool_call_block(f"c{turn}-{i}", "read", f'{{"path":"f{i}"}}') for i in range(tools)]
+    await writer.emit(
+        "assistant/message",
+        assistant_message_data(turn, 1, [text_block(said), *calls], f"a{turn}"),
+        surface_op="append",
+        source_event_seqs=list(range(first, writer.next_seq)),
+    )
+    for call in calls:
+        data = {"turn": turn, "step": 1, "callId": call["id"], "name": "read", "arguments": call["arguments"]}
+        call_seq = (await writer.emit("tool/call", data)).seq
+        await writer.flush()  # before the tool body
+        await writer.emit(
+            "tool/result",
+            tool_result_data(turn, 1, call["id"], "ok " * 5, msg_id=f"r-{call['id']}"),
+            surface_op="append",
+            source_event_seqs=[call_seq],
+        )
+    await writer.emit("step/end", {"turn": turn, "step": 1})
+    await writer.emit("step/start", {"turn": turn, "step": 2})
+    await writer.emit(
+        "assistant/message",
+        assistant_message_data(turn, 2, [text_block(f"done {turn}")], f"a{turn}b"),
+        surface_op="append",
+        source_event_seqs=[],
+    )
+    await writer.emit("step/end", {"turn": turn, "step": 2})
+    await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}})
+
+
+async def compact_all(writer: SessionWriter) -> None:
+    """A turn whose compaction replaces every surface node so far (a new generation)."""
+    session = writer.session
+    turn = session.last_turn + 1
+    await writer.emit("turn/start", {"turn": turn})
+    nodes = list(session.surface.nodes)
+    await writer.compact(nodes[0], nodes[-1], f"summary of {len(nodes)} nodes")
+    await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}})

@@ -28,31 +28,19 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from natsfixtures import log_settings, new_session_id
-from test_runner import (
-    ALL,
-    LEASE_TTL_S,
-    WAIT_S,
-    CheckedDeriver,
-    CheckedState,
-    compact_all,
-    eventually,
-    ids_in_partition,
-    last_stream_seq,
-    partition_filter,
-    snapshot,
-    streamed_turn,
-    user_message,
-)
+from natsfixtures import new_session_id
+from scaffold import LEASE_TTL_S, WAIT_S, Opened, eventually
+from sessiongen import compact_all, streamed_turn, user_message_data
+from test_runner import ALL, CheckedDeriver, CheckedState, ids_in_partition, last_stream_seq, snapshot
 
 from services.context_deriver.service import ContextDeriverService
 from sessionlog.embedded import EmbeddedServer, free_port
 from sessionlog.errors import SessionLogError
 from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.micro import ERROR_CODE_HEADER, call
+from sessionlog.record import partition_filter
 from sessionlog.runner import ProjectionRunner
 from sessionlog.session import Session
-from sessionlog.settings import Settings
 
 pytest_plugins = ["natsfixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
@@ -66,32 +54,17 @@ PARTITIONS = 8
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-class Stack:
+class Stack(Opened):
     """The connections, writers and services one test started; all stopped at its end."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
-        self._logs: list[SessionLog] = []
-        self._writers: list[SessionWriter] = []
-        self._services: list[ContextDeriverService] = []
-        self._runners: list[ProjectionRunner[Any]] = []
-
-    async def connect(self, **overrides: Any) -> SessionLog:
-        log = await SessionLog.connect(log_settings(self.url, **{"lease_ttl_s": LEASE_TTL_S, **overrides}))
-        self._logs.append(log)
-        return log
-
-    async def create(self, log: SessionLog, session_id: str | None = None) -> SessionWriter:
-        writer = await log.create(session_id or new_session_id())
-        self._writers.append(writer)
-        return writer
+        super().__init__(url, lease_ttl_s=LEASE_TTL_S)
 
     async def deriver(self, **options: Any) -> ContextDeriverService:
         """A context-deriver replica on its own connection, started, its endpoints registered on the server."""
         log = await self.connect()
         options.setdefault("partitions", ALL)
-        service = ContextDeriverService(log, **options)
-        self._services.append(service)
+        service = self.keep_service(ContextDeriverService(log, **options))
         await service.start()
         await log.nc.flush()  # the endpoints' subscriptions reach the server before anyone asks
         return service
@@ -99,38 +72,18 @@ class Stack:
     async def rebuild(self) -> ProjectionRunner[CheckedState]:
         """A clean rebuild of every session from stream seq 1, under a projection name of its own."""
         log = await self.connect()
-        runner: ProjectionRunner[CheckedState] = ProjectionRunner(
-            log, CheckedDeriver(f"cd-check-{uuid.uuid4().hex[:8]}"), partitions=ALL, rebuild=True
+        runner: ProjectionRunner[CheckedState] = self.keep_runner(
+            ProjectionRunner(log, CheckedDeriver(f"cd-check-{uuid.uuid4().hex[:8]}"), partitions=ALL, rebuild=True)
         )
-        self._runners.append(runner)
         await runner.start()
         await runner.wait_ready(timeout=WAIT_S)
         return runner
 
-    async def aclose(self) -> None:
-        for service in self._services:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(service.stop(), WAIT_S)
-        for runner in self._runners:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(runner.stop(), WAIT_S)
-        for writer in self._writers:
-            await writer.abandon()
-        for log in self._logs:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(log.close(), 5)
-            if not log.nc.is_closed:
-                await log.nc.close()
-
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def stack(provisioned: Settings) -> AsyncIterator[Stack]:
-    assert provisioned.nats_url is not None
-    opened = Stack(provisioned.nats_url)
-    try:
+async def stack(url: str) -> AsyncIterator[Stack]:
+    async with Stack(url) as opened:
         yield opened
-    finally:
-        await opened.aclose()
 
 
 async def derive(log: SessionLog, body: dict[str, Any], timeout: float = WAIT_S) -> dict[str, Any]:
@@ -194,7 +147,7 @@ async def test_derive_with_min_seq_right_after_a_flush_returns_that_seq(stack: S
     turn = writer.session.last_turn + 1
     await writer.emit("turn/start", {"turn": turn})
     for i in range(5):
-        await writer.emit("user/message", user_message(f"more {i}", f"m{turn}-{i}"), surface_op="append")
+        await writer.emit("user/message", user_message_data(f"more {i}", f"m{turn}-{i}"), surface_op="append")
         seq = await writer.flush()
         reply = await derive(log, {"session": writer.session_id, "min_seq": seq, "timeout_ms": 3000})
         assert reply["seq"] == seq and answered(reply) == expected_reply(writer.session)
@@ -301,7 +254,7 @@ async def test_a_large_derivation_is_paged_and_the_pages_add_up(stack: Stack) ->
     writer = await stack.create(log)
     await writer.emit("turn/start", {"turn": 1})
     for i in range(14):  # ~2.8 MB of messages: several pages of a 1 MiB max_payload
-        await writer.emit("user/message", user_message(f"{i:02d}" + "é" * 100_000, f"big{i}"), surface_op="append")
+        await writer.emit("user/message", user_message_data(f"{i:02d}" + "é" * 100_000, f"big{i}"), surface_op="append")
     await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}})
     last = await writer.flush()
     expected = expected_reply(await log_of(log, writer.session_id))
@@ -346,7 +299,7 @@ async def test_a_large_header_is_counted_when_paging(stack: Stack) -> None:
     header = {"config": {"provider": "p", "model": "m"}, "system": "s" * 400_000}
     await writer.emit("request/header", {"header": header, "reason": "initial"})
     for i in range(8):
-        await writer.emit("user/message", user_message("x" * 100_000, f"u{i}"), surface_op="append")
+        await writer.emit("user/message", user_message_data("x" * 100_000, f"u{i}"), surface_op="append")
     await writer.emit("step/end", {"turn": 1, "step": 1})
     await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}})
     last = await writer.flush()
@@ -443,7 +396,7 @@ async def test_plan_replace_is_a_dry_run_of_a_compaction(stack: Stack) -> None:
 def compaction_of(session: Session) -> dict[str, Any]:
     """A compaction event replacing every surface node of the session, as its next event."""
     nodes = list(session.surface.nodes)
-    summary = user_message("summary", "s1")
+    summary = user_message_data("summary", "s1")
     summary["source"] = {"kind": "plugin", "plugin": "compact"}
     return {
         "seq": len(session),
@@ -575,11 +528,8 @@ def processes(tmp_path: Path) -> Iterator[list[ServiceProcess]]:
 @pytest_asyncio.fixture(loop_scope="module")
 async def own_stack(fresh_server: EmbeddedServer) -> AsyncIterator[Stack]:
     """A server of the test's own (its checkpoints are its own), and a stack closed before it is killed."""
-    opened = Stack(fresh_server.url)
-    try:
+    async with Stack(fresh_server.url) as opened:
         yield opened
-    finally:
-        await opened.aclose()
 
 
 async def stream_until(writer: SessionWriter, stop: asyncio.Event, pause: float) -> int:

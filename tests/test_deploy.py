@@ -34,10 +34,11 @@ import pytest
 import pytest_asyncio
 import yaml
 from nats.aio.client import Client
+from sessiongen import closed_turn, user_message_data
 
 from sessionlog.embedded import ClusterOptions, EmbeddedServer, find_server_binary, free_port
 from sessionlog.events import encode_new_event
-from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.log import SessionLog
 from sessionlog.micro import call
 from sessionlog.record import encode_payload, in_subject, record_headers
 from sessionlog.services import SERVICES, RunOptions, Stack
@@ -459,31 +460,6 @@ async def connect_as(url: str, role: str) -> tuple[Client, list[str]]:
     return nc, errors
 
 
-def user_message(text: str, msg_id: str) -> dict[str, Any]:
-    return {"id": msg_id, "role": "user", "source": {"kind": "user"}, "content": [{"type": "text", "text": text}]}
-
-
-def assistant_message(turn: int, text: str) -> dict[str, Any]:
-    message = {
-        "id": f"a{turn}",
-        "role": "assistant",
-        "source": {"kind": "model", "provider": "p", "model": "m"},
-        "content": [{"type": "text", "text": text}],
-    }
-    return {"turn": turn, "step": 1, "message": message}
-
-
-async def closed_turn(writer: SessionWriter, text: str = "Hello.") -> None:
-    turn = writer.session.last_turn + 1
-    await writer.emit("turn/start", {"turn": turn})
-    await writer.emit("user/message", user_message(text, f"u{turn}"), surface_op="append")
-    await writer.emit("step/start", {"turn": turn, "step": 1})
-    await writer.emit("assistant/message", assistant_message(turn, f"answer {turn}"), surface_op="append",
-                      source_event_seqs=[])  # fmt: skip
-    await writer.emit("step/end", {"turn": turn, "step": 1})
-    await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}})
-
-
 def new_id(prefix: str = "d") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
@@ -845,7 +821,7 @@ async def test_the_repairer_closes_a_dead_writers_turn_under_its_own_user(
     session_id = new_id("dead")
     writer = await writer_log.create(session_id)
     await writer.emit("turn/start", {"turn": 1})
-    await writer.emit("user/message", user_message("Are you there?", "u1"), surface_op="append")
+    await writer.emit("user/message", user_message_data("Are you there?", "u1"), surface_op="append")
     await writer.flush()
     await writer.abandon()  # a crash: the lease is not released, it expires
     async with serving(single.url, "repairer") as (service, _):
@@ -909,7 +885,7 @@ async def test_the_gateway_forwards_and_tees_under_its_own_user(
     session_id = new_id("gw")
     writer = await writer_log.create(session_id)
     await writer.emit("turn/start", {"turn": 1})
-    await writer.emit("user/message", user_message("Say hi.", "u1"), surface_op="append")
+    await writer.emit("user/message", user_message_data("Say hi.", "u1"), surface_op="append")
     await writer.emit("step/start", {"turn": 1, "step": 1})
     await writer.emit("request/header", {"header": HEADER, "reason": "initial"})
     seq = await writer.flush()

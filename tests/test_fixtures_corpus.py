@@ -12,10 +12,12 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import FIXTURES_DIR
+from natsfixtures import new_session_id
 from sessiongen import derived_pairing
 
 from sessionlog.events import SURFACE_TYPES, Interrupted
 from sessionlog.jsonl import JsonlLog, parse_jsonl
+from sessionlog.log import SessionLog
 from sessionlog.repair import interrupted_turn_closers
 from sessionlog.session import Session, messages_canonical, messages_json
 
@@ -39,6 +41,16 @@ def read_fixture(path: Path) -> JsonlLog:
 @cache
 def load_fixture(path: Path) -> Session:
     return Session(read_fixture(path).events)
+
+
+async def import_corpus(log: SessionLog, prefix: str) -> dict[str, str]:
+    """Every fixture imported into `log` under an id of its own: file name -> session id."""
+    ids: dict[str, str] = {}
+    for index, path in enumerate(FIXTURE_FILES):
+        session_id = f"dsh-{index:02d}-{new_session_id(prefix)}"
+        await log.import_log(read_fixture(path), session_id)
+        ids[path.name] = session_id
+    return ids
 
 
 def test_the_corpus_holds_all_81_dsh_logs() -> None:

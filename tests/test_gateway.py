@@ -94,15 +94,6 @@ def gateway(provisioned: Settings, provider_server: ServerThread) -> Iterator[Se
         yield server
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def log(provisioned: Settings) -> AsyncIterator[SessionLog]:
-    connection = await SessionLog.connect(provisioned)
-    try:
-        yield connection
-    finally:
-        await connection.close()
-
-
 @pytest_asyncio.fixture(loop_scope="module")
 async def http(gateway: ServerThread) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as client:

@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from natsfixtures import log_settings, new_session_id, reconnect_stopped, start_cluster
+from natsfixtures import new_session_id, start_cluster
+from scaffold import Opened, assert_contiguous, raws
+from sessiongen import user_message_data
 
 from sessionlog.embedded import Cluster
 from sessionlog.errors import LogUnavailable
@@ -43,59 +45,32 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
             server.kill()
 
 
-class Logs:
+class Logs(Opened):
     """Connections and writers a test opened; stopped and closed when it ends, whatever state the cluster is in."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
-        self._logs: list[SessionLog] = []
-        self._writers: list[SessionWriter] = []
+        super().__init__(url, replicas=3)
 
-    async def connect(self, **overrides: Any) -> SessionLog:
-        log = await SessionLog.connect(log_settings(self.url, replicas=3, **overrides))
-        self._logs.append(log)
+    async def connect(self, url: str | None = None, **overrides: Any) -> SessionLog:
+        log = await super().connect(url, **overrides)
         await every_stream_has_a_leader(log)
         return log
-
-    def keep(self, writer: SessionWriter) -> SessionWriter:
-        self._writers.append(writer)
-        return writer
-
-    async def aclose(self) -> None:
-        for writer in self._writers:
-            await writer.abandon()
-        for log in self._logs:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(log.close(), 5)
-            if not log.nc.is_closed:
-                with contextlib.suppress(Exception):
-                    await log.nc.close()
-            await reconnect_stopped(log.nc)
 
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def logs(cluster: Cluster) -> AsyncIterator[Logs]:
-    opened = Logs(cluster.url)
-    try:
+    async with Logs(cluster.url) as opened:
         yield opened
-    finally:
-        await opened.aclose()
 
 
 async def turn(writer: SessionWriter, text: str) -> list[bytes]:
     number = writer.session.last_turn + 1
-    message = {
-        "id": f"u{number}",
-        "role": "user",
-        "source": {"kind": "user"},
-        "content": [{"type": "text", "text": text}],
-    }
     events: list[Event] = [
         await writer.emit("turn/start", {"turn": number}),
-        await writer.emit("user/message", message, surface_op="append"),
+        await writer.emit("user/message", user_message_data(text, f"u{number}"), surface_op="append"),
         await writer.emit("turn/end", {"turn": number, "reason": {"kind": "completed"}}),
     ]
-    return [e.raw for e in events]
+    return raws(events)
 
 
 async def every_stream_has_a_leader(log: SessionLog, timeout: float = 30.0) -> None:
@@ -162,13 +137,6 @@ async def records_once_recovered(log: SessionLog, session_id: str) -> list[Recor
         if time.monotonic() > deadline:
             pytest.fail(f"the cluster did not serve the stream again within {RECOVERY_S}s")
         await asyncio.sleep(0.25)
-
-
-def assert_contiguous(records: list[Record]) -> None:
-    expected = 0
-    for record in records:
-        assert record.first_seq == expected, f"record at stream seq {record.stream_seq} starts at {record.first_seq}"
-        expected = record.next_seq
 
 
 async def test_losing_quorum_is_log_unavailable_and_every_acknowledged_event_survives(

@@ -8,7 +8,6 @@ written, after its records, so a fork or import that died halfway leaves nothing
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,60 +15,35 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_asyncio
-from natsfixtures import log_settings, new_session_id
+from natsfixtures import new_session_id
+from scaffold import LEASE_TTL_S, Opened, eventually
 from sessiongen import SessionBuilder, text_block, tool_call_block
 
 from sessionlog.errors import SessionLogError
 from sessionlog.fork import END_SEED, plan_fork
 from sessionlog.jsonl import JsonlLog, decode_header, parse_jsonl
-from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.log import SessionLog
 from sessionlog.repair import interrupted_turn_closers
 from sessionlog.session import Session
-from sessionlog.settings import Settings
 
 pytest_plugins = ["natsfixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
-
-LEASE_TTL_S = 1.0  # JetStream's per-message TTL counts whole seconds: 1 s is the shortest lease there is
-WAIT_S = 10.0
 
 
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-class Logs:
+class Logs(Opened):
     """The connections and writers one test opened; all stopped and closed when it ends."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
-        self._logs: list[SessionLog] = []
-        self._writers: list[SessionWriter] = []
-
-    async def connect(self, **overrides: Any) -> SessionLog:
-        log = await SessionLog.connect(log_settings(self.url, **{"lease_ttl_s": LEASE_TTL_S, **overrides}))
-        self._logs.append(log)
-        return log
-
-    def keep(self, writer: SessionWriter) -> SessionWriter:
-        self._writers.append(writer)
-        return writer
-
-    async def aclose(self) -> None:
-        for writer in self._writers:
-            await writer.abandon()
-        for log in self._logs:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(log.close(), 5)
+        super().__init__(url, lease_ttl_s=LEASE_TTL_S)
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def logs(provisioned: Settings) -> AsyncIterator[Logs]:
-    assert provisioned.nats_url is not None
-    opened = Logs(provisioned.nats_url)
-    try:
+async def logs(url: str) -> AsyncIterator[Logs]:
+    async with Logs(url) as opened:
         yield opened
-    finally:
-        await opened.aclose()
 
 
 def two_turns() -> SessionBuilder:
@@ -103,11 +77,10 @@ async def visible(log: SessionLog, sid: str) -> bool:
 
 
 async def lease_expired(log: SessionLog, sid: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while await log.leases.current(sid) is not None:
-        if time.monotonic() > deadline:
-            pytest.fail(f"the lease of {sid} did not expire within {WAIT_S}s")
-        await asyncio.sleep(0.05)
+    async def expired() -> bool:
+        return await log.leases.current(sid) is None
+
+    await eventually(expired, f"the lease of {sid} expires")
 
 
 def as_file(header: dict[str, Any], events: list[bytes]) -> JsonlLog:

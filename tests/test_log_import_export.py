@@ -7,16 +7,13 @@ with seqs comes back byte for byte (plain and zstd), and a file that is refused 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-import pytest_asyncio
 from conftest import FIXTURES_DIR
 from natsfixtures import log_settings, new_session_id
 
@@ -52,17 +49,6 @@ def synthetic_events(turns: int = 3) -> list[bytes]:
     for _ in range(turns):
         builder.turn_with_tools(deltas=12, tools=2)
     return builder.events
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def log(provisioned: Settings) -> AsyncIterator[SessionLog]:
-    assert provisioned.nats_url is not None
-    connected = await SessionLog.connect(log_settings(provisioned.nats_url))
-    try:
-        yield connected
-    finally:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(connected.close(), 5)
 
 
 async def assert_invisible(log: SessionLog, session_id: str) -> None:

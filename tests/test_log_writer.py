@@ -13,118 +13,42 @@ import contextlib
 import hashlib
 import os
 import signal
-import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import pytest_asyncio
-from natsfixtures import log_settings, new_session_id, reconnect_stopped
+from natsfixtures import new_session_id
+from scaffold import LEASE_TTL_S, WAIT_S, Opened, assert_contiguous, eventually, freeze, raws
+from sessiongen import assistant_message_data, closed_turn, tool_result_data, user_message_data
 
 from sessionlog.embedded import EmbeddedServer
 from sessionlog.errors import LogUnavailable, SessionLogError
-from sessionlog.events import Event, encode_new_event
+from sessionlog.events import encode_new_event
 from sessionlog.jsonl import decode_header
-from sessionlog.log import SessionLog, SessionWriter, _Publisher
-from sessionlog.record import H_COUNT, H_DIGEST, H_FIRST_SEQ, H_FORMAT, H_WRITER, Record, events_filter
-from sessionlog.settings import Settings
+from sessionlog.log import SessionWriter, _Publisher
+from sessionlog.record import H_COUNT, H_DIGEST, H_FIRST_SEQ, H_FORMAT, H_WRITER, events_filter
 
 pytest_plugins = ["natsfixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
-
-LEASE_TTL_S = 1.0  # JetStream's per-message TTL counts whole seconds: 1 s is the shortest lease there is
-WAIT_S = 10.0  # the bound of every wait for something to happen on the server
 
 
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-class Logs:
+class Logs(Opened):
     """The connections and writers one test opened; at its end every writer is stopped and every connection
     closed, whether or not its server still runs."""
 
     def __init__(self) -> None:
-        self._logs: list[SessionLog] = []
-        self._writers: list[SessionWriter] = []
-
-    async def connect(self, url: str, **overrides: Any) -> SessionLog:
-        settings = log_settings(url, **{"lease_ttl_s": LEASE_TTL_S, **overrides})
-        log = await SessionLog.connect(settings)
-        self._logs.append(log)
-        return log
-
-    def keep(self, writer: SessionWriter) -> SessionWriter:
-        self._writers.append(writer)
-        return writer
-
-    async def create(self, log: SessionLog, session_id: str | None = None, **kwargs: Any) -> SessionWriter:
-        return self.keep(await log.create(session_id or new_session_id(), **kwargs))
-
-    async def aclose(self) -> None:
-        for writer in self._writers:
-            await writer.abandon()  # idempotent; a lease left behind expires on its own
-        for log in self._logs:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(log.close(), 5)
-            if not log.nc.is_closed:
-                with contextlib.suppress(Exception):
-                    await log.nc.close()
-            await reconnect_stopped(log.nc)
+        super().__init__(lease_ttl_s=LEASE_TTL_S)
 
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def logs() -> AsyncIterator[Logs]:
-    opened = Logs()
-    try:
+    async with Logs() as opened:
         yield opened
-    finally:
-        await opened.aclose()
-
-
-@pytest.fixture
-def url(provisioned: Settings) -> str:
-    assert provisioned.nats_url is not None
-    return provisioned.nats_url
-
-
-def user_message(text: str, msg_id: str) -> dict[str, Any]:
-    return {"id": msg_id, "role": "user", "source": {"kind": "user"}, "content": [{"type": "text", "text": text}]}
-
-
-def assistant_message(turn: int, step: int, blocks: list[dict[str, Any]], msg_id: str) -> dict[str, Any]:
-    message = {
-        "id": msg_id,
-        "role": "assistant",
-        "source": {"kind": "model", "provider": "p", "model": "m"},
-        "content": blocks,
-    }
-    return {"turn": turn, "step": step, "message": message}
-
-
-def tool_result(turn: int, step: int, call_id: str, text: str) -> dict[str, Any]:
-    block = {"type": "tool-result", "toolCallId": call_id, "content": [{"type": "text", "text": text}]}
-    message = {"id": f"r-{call_id}", "role": "user", "source": {"kind": "tool", "callId": call_id}, "content": [block]}
-    return {"turn": turn, "step": step, "message": message}
-
-
-async def closed_turn(writer: SessionWriter, text: str = "Hello.") -> list[Event]:
-    """One whole turn: a user message, a step that answers with text."""
-    turn = writer.session.last_turn + 1
-    return [
-        await writer.emit("turn/start", {"turn": turn}),
-        await writer.emit("user/message", user_message(text, f"u{turn}"), surface_op="append"),
-        await writer.emit("step/start", {"turn": turn, "step": 1}),
-        await writer.emit(
-            "assistant/message",
-            assistant_message(turn, 1, [{"type": "text", "text": f"answer {turn}"}], f"a{turn}"),
-            surface_op="append",
-            source_event_seqs=[],
-        ),
-        await writer.emit("step/end", {"turn": turn, "step": 1}),
-        await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}}),
-    ]
 
 
 async def tool_step(writer: SessionWriter, call_id: str) -> dict[str, int]:
@@ -137,7 +61,7 @@ async def tool_step(writer: SessionWriter, call_id: str) -> dict[str, int]:
     seqs["message"] = (
         await writer.emit(
             "assistant/message",
-            assistant_message(turn, step, [call], f"a-{call_id}"),
+            assistant_message_data(turn, step, [call], f"a-{call_id}"),
             surface_op="append",
             source_event_seqs=[],
         )
@@ -147,49 +71,13 @@ async def tool_step(writer: SessionWriter, call_id: str) -> dict[str, int]:
     seqs["result"] = (
         await writer.emit(
             "tool/result",
-            tool_result(turn, step, call_id, f"contents of {call_id}"),
+            tool_result_data(turn, step, call_id, f"contents of {call_id}", msg_id=f"r-{call_id}"),
             surface_op="append",
             source_event_seqs=[seqs["call"]],
         )
     ).seq
     await writer.emit("step/end", {"turn": turn, "step": step})
     return seqs
-
-
-def raws(events: list[Event]) -> list[bytes]:
-    return [e.raw for e in events]
-
-
-async def eventually(condition: Any, what: str, timeout: float = WAIT_S) -> None:
-    """Poll an async condition until it holds, or fail saying what never happened."""
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout}s")
-        await asyncio.sleep(0.02)
-
-
-async def freeze(pid: int) -> None:
-    """SIGSTOP a server and wait until the kernel reports every one of its threads stopped."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        states = [
-            (task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in Path(f"/proc/{pid}/task").iterdir()
-        ]
-        if all(state in ("T", "t") for state in states):
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"nats-server {pid} not stopped after SIGSTOP: thread states {states}")
-        await asyncio.sleep(0.005)
-
-
-def assert_contiguous(records: list[Record]) -> None:
-    """Each event exactly once: records start at seq 0 and continue each other with no gap or repeat."""
-    expected = 0
-    for record in records:
-        assert record.first_seq == expected, f"record at stream seq {record.stream_seq} starts at {record.first_seq}"
-        expected = record.next_seq
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -223,9 +111,9 @@ async def test_flush_returns_the_last_seq_and_load_gives_back_the_same_bytes_in_
         ("STRUCTURE_INVALID", {"type": "step/start", "data": {"turn": 2, "step": 1}}),
         ("SEQ_NOT_CONTIGUOUS", {"seq": 99, "type": "todo/write", "data": {"todos": []}}),
         ("UNKNOWN_EVENT_TYPE", {"type": "vendor/secret-state", "data": {}}),
-        ("SURFACE_MARKER_REQUIRED", {"type": "user/message", "data": user_message("x", "m")}),
+        ("SURFACE_MARKER_REQUIRED", {"type": "user/message", "data": user_message_data("x", "m")}),
         ("SURFACE_MARKER_FORBIDDEN", {"type": "todo/write", "data": {"todos": []}, "surfaceOp": "append"}),
-        ("INVALID_SURFACE_OP", {"type": "user/message", "data": user_message("x", "m"), "surfaceOp": "prepend"}),
+        ("INVALID_SURFACE_OP", {"type": "user/message", "data": user_message_data("x", "m"), "surfaceOp": "prepend"}),
         ("INVALID_EVENT", {"type": "todo/write", "data": {"todos": []}, "extra": 1}),
         ("INVALID_EVENT", {"type": "turn/end", "data": {"turn": "one"}}),
     ],
@@ -295,11 +183,11 @@ async def test_an_event_bigger_than_a_record_is_refused_and_nothing_is_queued(lo
     def sized(total: int) -> bytes:
         """A user/message event of exactly `total` bytes."""
         filler = encode_new_event(
-            "user/message", user_message("", "m"), seq=writer.next_seq, time=1, surface_op="append"
+            "user/message", user_message_data("", "m"), seq=writer.next_seq, time=1, surface_op="append"
         )
         return encode_new_event(
             "user/message",
-            user_message("x" * (total - len(filler)), "m"),
+            user_message_data("x" * (total - len(filler)), "m"),
             seq=writer.next_seq,
             time=1,
             surface_op="append",
@@ -326,9 +214,9 @@ async def test_the_largest_event_a_record_can_carry_is_accepted(logs: Logs, url:
     bound = log.max_record_bytes
     writer = await logs.create(log)
     await writer.emit("turn/start", {"turn": 1})
-    filler = encode_new_event("user/message", user_message("", "m"), seq=1, time=1, surface_op="append")
+    filler = encode_new_event("user/message", user_message_data("", "m"), seq=1, time=1, surface_op="append")
     text = "x" * (bound - 2 - len(filler))
-    largest = encode_new_event("user/message", user_message(text, "m"), seq=1, time=1, surface_op="append")
+    largest = encode_new_event("user/message", user_message_data(text, "m"), seq=1, time=1, surface_op="append")
     assert len(b"[" + largest + b"]") == bound
     await writer.append(largest)
     assert await writer.flush() == 1
@@ -631,7 +519,7 @@ async def test_big_records_of_several_writers_with_the_server_gone_are_log_unava
     await asyncio.to_thread(fresh_server.kill)
     text = "x" * (log.max_record_bytes - 400)  # one near-maximal record per writer, all on one connection
     for writer in writers:
-        await writer.emit("user/message", user_message(text, "big"), surface_op="append")
+        await writer.emit("user/message", user_message_data(text, "big"), surface_op="append")
     outcomes = await asyncio.gather(
         *(asyncio.wait_for(w.flush(), timeout + 3.0) for w in writers), return_exceptions=True
     )
@@ -648,7 +536,7 @@ async def test_compact_writes_a_replace_whose_provenance_names_every_shadowed_no
     writer = await logs.create(log, sid)
     await closed_turn(writer, "First.")
     await writer.emit("turn/start", {"turn": 2})
-    await writer.emit("user/message", user_message("Read a file.", "u2"), surface_op="append")
+    await writer.emit("user/message", user_message_data("Read a file.", "u2"), surface_op="append")
     pair = await tool_step(writer, "call-1")
     nodes = list(writer.session.surface.nodes)
     start, end = nodes[0], pair["result"]
@@ -676,7 +564,7 @@ async def test_a_compaction_that_would_split_a_tool_pair_is_refused_before_anyth
     sid = new_session_id()
     writer = await logs.create(log, sid)
     await writer.emit("turn/start", {"turn": 1})
-    await writer.emit("user/message", user_message("Read a file.", "u1"), surface_op="append")
+    await writer.emit("user/message", user_message_data("Read a file.", "u1"), surface_op="append")
     pair = await tool_step(writer, "call-1")
     durable = await writer.flush()
     before = await log.reader.events(sid)

@@ -18,15 +18,16 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import pytest_asyncio
-from natsfixtures import log_settings, new_session_id
+from natsfixtures import new_session_id
+from scaffold import LEASE_TTL_S, WAIT_S, Opened, eventually
+from sessiongen import assistant_message_data, closed_turn, user_message_data
 
 from services.repairer.service import RepairerService
 from sessionlog.errors import SessionLogError
@@ -35,93 +36,36 @@ from sessionlog.micro import ERROR_CODE_HEADER, call
 from sessionlog.provision import partition_of
 from sessionlog.repair import interrupted_turn_closers
 from sessionlog.session import Session
-from sessionlog.settings import Settings
 
 pytest_plugins = ["natsfixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 
-LEASE_TTL_S = 1.0  # JetStream's per-message TTL counts whole seconds: 1 s is the shortest lease there is
 GRACE_S = 0.3
-WAIT_S = 10.0
 CLOSE = "sessionlog.repair.close"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-class Stack:
+class Stack(Opened):
     """The connections, writers and repairers one test started; all stopped at its end."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
-        self._logs: list[SessionLog] = []
-        self._writers: list[SessionWriter] = []
-        self._services: list[RepairerService] = []
-
-    def settings(self, **overrides: Any) -> Settings:
-        return log_settings(self.url, **{"lease_ttl_s": LEASE_TTL_S, "repair_grace_s": GRACE_S, **overrides})
-
-    async def connect(self, **overrides: Any) -> SessionLog:
-        log = await SessionLog.connect(self.settings(**overrides))
-        self._logs.append(log)
-        return log
-
-    async def create(self, log: SessionLog, session_id: str | None = None) -> SessionWriter:
-        writer = await log.create(session_id or new_session_id())
-        self._writers.append(writer)
-        return writer
+        super().__init__(url, lease_ttl_s=LEASE_TTL_S, repair_grace_s=GRACE_S)
 
     async def repairer(self, **overrides: Any) -> RepairerService:
         """A repairer replica on its own connection, claiming partitions as a deployed one does."""
         log = await self.connect(**overrides)
-        service = RepairerService(log)
-        self._services.append(service)
+        service = self.keep_service(RepairerService(log))
         await service.start()
         await log.nc.flush()
         return service
 
-    async def aclose(self) -> None:
-        for service in self._services:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(service.stop(), WAIT_S)
-        for writer in self._writers:
-            await writer.abandon()
-        for log in self._logs:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(log.close(), 5)
-            if not log.nc.is_closed:
-                await log.nc.close()
-
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def stack(provisioned: Settings) -> AsyncIterator[Stack]:
-    assert provisioned.nats_url is not None
-    opened = Stack(provisioned.nats_url)
-    try:
+async def stack(url: str) -> AsyncIterator[Stack]:
+    async with Stack(url) as opened:
         yield opened
-    finally:
-        await opened.aclose()
-
-
-def user_message(text: str, msg_id: str) -> dict[str, Any]:
-    return {"id": msg_id, "role": "user", "source": {"kind": "user"}, "content": [{"type": "text", "text": text}]}
-
-
-def assistant(turn: int, step: int, blocks: list[dict[str, Any]], msg_id: str) -> dict[str, Any]:
-    message = {"id": msg_id, "role": "assistant", "source": {"kind": "model", "provider": "p", "model": "m"}}
-    return {"turn": turn, "step": step, "message": {**message, "content": blocks}}
-
-
-async def closed_turn(writer: SessionWriter) -> None:
-    turn = writer.session.last_turn + 1
-    await writer.emit("turn/start", {"turn": turn})
-    await writer.emit("user/message", user_message("hello", f"u{turn}"), surface_op="append")
-    await writer.emit("step/start", {"turn": turn, "step": 1})
-    await writer.emit(
-        "assistant/message", assistant(turn, 1, [{"type": "text", "text": "hi"}], f"a{turn}"), surface_op="append"
-    )
-    await writer.emit("step/end", {"turn": turn, "step": 1})
-    await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}})
 
 
 async def open_turn(writer: SessionWriter, calls: list[tuple[str, bool]], *, step_open: bool = True) -> int:
@@ -129,11 +73,11 @@ async def open_turn(writer: SessionWriter, calls: list[tuple[str, bool]], *, ste
     flushed as an agent flushes before a tool body. Without `step_open` the turn is open between steps."""
     turn = writer.session.last_turn + 1
     await writer.emit("turn/start", {"turn": turn})
-    await writer.emit("user/message", user_message("do it", f"u{turn}"), surface_op="append")
+    await writer.emit("user/message", user_message_data("do it", f"u{turn}"), surface_op="append")
     await writer.emit("step/start", {"turn": turn, "step": 1})
     blocks: list[dict[str, Any]] = [{"type": "text", "text": "on it"}]
     blocks += [{"type": "tool-call", "id": cid, "name": "bash", "arguments": '{"cmd":"ls"}'} for cid, _ in calls]
-    await writer.emit("assistant/message", assistant(turn, 1, blocks, f"a{turn}"), surface_op="append")
+    await writer.emit("assistant/message", assistant_message_data(turn, 1, blocks, f"a{turn}"), surface_op="append")
     for call_id, durable in calls:
         if durable:
             data = {"turn": turn, "step": 1, "callId": call_id, "name": "bash", "arguments": '{"cmd":"ls"}'}
@@ -141,14 +85,6 @@ async def open_turn(writer: SessionWriter, calls: list[tuple[str, bool]], *, ste
     if not step_open:
         await writer.emit("step/end", {"turn": turn, "step": 1})
     return await writer.flush()
-
-
-async def eventually(condition: Callable[[], Awaitable[bool]], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout}s")
-        await asyncio.sleep(0.05)
 
 
 async def repaired(log: SessionLog, session_id: str, length: int, timeout: float = WAIT_S) -> list[bytes]:

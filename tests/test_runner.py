@@ -18,30 +18,29 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import msgspec
 import pytest
 import pytest_asyncio
-from natsfixtures import log_settings, new_session_id
+from natsfixtures import new_session_id
+from scaffold import LEASE_TTL_S, WAIT_S, Opened, eventually
+from sessiongen import compact_all, streamed_turn, user_message_data
 
 from services.context_deriver.service import ContextDeriver, DeriverState, canonical_messages
 from sessionlog.embedded import EmbeddedServer
 from sessionlog.errors import CorruptLog
 from sessionlog.events import encode_new_event
-from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.log import SessionLog
 from sessionlog.provision import partition_of
 from sessionlog.record import Record, encode_payload, events_filter, in_subject, partition_filter, record_headers
 from sessionlog.runner import ProjectionRunner
 from sessionlog.session import Session
-from sessionlog.settings import Settings
 
 pytest_plugins = ["natsfixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 
-LEASE_TTL_S = 1.0  # JetStream's per-message TTL counts whole seconds: 1 s is the shortest lease there is
-WAIT_S = 10.0  # the bound of every wait for something to happen on the server
 PARTITIONS = 8
 ALL = list(range(PARTITIONS))
 
@@ -80,23 +79,11 @@ def projection_name() -> str:
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-class Harness:
+class Harness(Opened):
     """The connections, writers and runners one test opened; all stopped at its end."""
 
     def __init__(self) -> None:
-        self._logs: list[SessionLog] = []
-        self._writers: list[SessionWriter] = []
-        self._runners: list[ProjectionRunner[Any]] = []
-
-    async def connect(self, url: str, **overrides: Any) -> SessionLog:
-        log = await SessionLog.connect(log_settings(url, **{"lease_ttl_s": LEASE_TTL_S, **overrides}))
-        self._logs.append(log)
-        return log
-
-    async def create(self, log: SessionLog, session_id: str | None = None) -> SessionWriter:
-        writer = await log.create(session_id or new_session_id())
-        self._writers.append(writer)
-        return writer
+        super().__init__(lease_ttl_s=LEASE_TTL_S)
 
     async def runner(
         self,
@@ -110,129 +97,18 @@ class Harness:
         """A runner on a connection of its own (as a replica in its own process would have)."""
         log = await self.connect(url, **(connection or {}))
         options.setdefault("partitions", ALL)
-        runner: ProjectionRunner[CheckedState] = ProjectionRunner(
-            log, CheckedDeriver(name or projection_name()), **options
+        runner: ProjectionRunner[CheckedState] = self.keep_runner(
+            ProjectionRunner(log, CheckedDeriver(name or projection_name()), **options)
         )
-        self._runners.append(runner)
         if start:
             await runner.start()
         return runner
 
-    async def aclose(self) -> None:
-        for runner in self._runners:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(runner.stop(), WAIT_S)
-        for writer in self._writers:
-            await writer.abandon()
-        for log in self._logs:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(log.close(), 5)
-            if not log.nc.is_closed:
-                await log.nc.close()
-
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def harness() -> AsyncIterator[Harness]:
-    opened = Harness()
-    try:
+    async with Harness() as opened:
         yield opened
-    finally:
-        await opened.aclose()
-
-
-@pytest.fixture
-def url(provisioned: Settings) -> str:
-    assert provisioned.nats_url is not None
-    return provisioned.nats_url
-
-
-def user_message(text: str, msg_id: str) -> dict[str, Any]:
-    return {"id": msg_id, "role": "user", "source": {"kind": "user"}, "content": [{"type": "text", "text": text}]}
-
-
-def assistant(turn: int, step: int, blocks: list[dict[str, Any]], msg_id: str) -> dict[str, Any]:
-    message = {
-        "id": msg_id,
-        "role": "assistant",
-        "source": {"kind": "model", "provider": "p", "model": "m"},
-        "content": blocks,
-    }
-    return {"turn": turn, "step": step, "message": message}
-
-
-async def streamed_turn(writer: SessionWriter, text: str, *, deltas: int = 5, tools: int = 1) -> None:
-    """One whole turn as an agent writes it: header, streamed chunks, an assistant message that calls tools, the
-    calls and results, then a step that answers; flushed where an agent flushes (before requests and tools)."""
-    session = writer.session
-    turn = session.last_turn + 1
-    await writer.emit("turn/start", {"turn": turn})
-    await writer.emit("user/message", user_message(text, f"u{turn}-{uuid.uuid4().hex[:6]}"), surface_op="append")
-    await writer.emit("step/start", {"turn": turn, "step": 1})
-    if session.fold_request_header() is None or turn % 3 == 0:
-        header = {"config": {"provider": "p", "model": "m", "temperature": 0.1 * (turn % 5)}, "system": f"sys {turn}"}
-        reason = "initial" if session.fold_request_header() is None else "change"
-        await writer.emit("request/header", {"header": header, "reason": reason})
-    await writer.flush()  # before the provider request
-    first = writer.next_seq
-    await writer.emit(
-        "assistant/chunk", {"turn": turn, "step": 1, "chunk": {"type": "block-start", "index": 0, "blockType": "text"}}
-    )
-    for i in range(deltas):
-        await writer.emit(
-            "assistant/chunk", {"turn": turn, "step": 1, "chunk": {"type": "text-delta", "index": 0, "text": f"t{i} "}}
-        )
-    said = "".join(f"t{i} " for i in range(deltas))
-    await writer.emit(
-        "assistant/chunk",
-        {"turn": turn, "step": 1, "chunk": {"type": "block-end", "index": 0, "block": {"type": "text", "text": said}}},
-    )
-    calls = [
-        {"type": "tool-call", "id": f"c{turn}-{i}", "name": "read", "arguments": f'{{"path":"f{i}"}}'}
-        for i in range(tools)
-    ]
-    await writer.emit(
-        "assistant/message",
-        assistant(turn, 1, [{"type": "text", "text": said}, *calls], f"a{turn}"),
-        surface_op="append",
-        source_event_seqs=list(range(first, writer.next_seq)),
-    )
-    for call in calls:
-        data = {"turn": turn, "step": 1, "callId": call["id"], "name": "read", "arguments": call["arguments"]}
-        call_seq = (await writer.emit("tool/call", data)).seq
-        await writer.flush()  # before the tool body
-        block = {"type": "tool-result", "toolCallId": call["id"], "content": [{"type": "text", "text": "ok " * 5}]}
-        result = {
-            "id": f"r-{call['id']}",
-            "role": "user",
-            "source": {"kind": "tool", "callId": call["id"]},
-            "content": [block],
-        }
-        await writer.emit(
-            "tool/result",
-            {"turn": turn, "step": 1, "message": result},
-            surface_op="append",
-            source_event_seqs=[call_seq],
-        )
-    await writer.emit("step/end", {"turn": turn, "step": 1})
-    await writer.emit("step/start", {"turn": turn, "step": 2})
-    await writer.emit(
-        "assistant/message",
-        assistant(turn, 2, [{"type": "text", "text": f"done {turn}"}], f"a{turn}b"),
-        surface_op="append",
-        source_event_seqs=[],
-    )
-    await writer.emit("step/end", {"turn": turn, "step": 2})
-    await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}})
-
-
-async def compact_all(writer: SessionWriter) -> None:
-    """A turn whose compaction replaces every surface node so far (a new generation)."""
-    session = writer.session
-    turn = session.last_turn + 1
-    await writer.emit("turn/start", {"turn": turn})
-    nodes = list(session.surface.nodes)
-    await writer.compact(nodes[0], nodes[-1], f"summary of {len(nodes)} nodes")
-    await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}})
 
 
 def snapshot(session: Session) -> dict[str, Any]:
@@ -261,14 +137,6 @@ async def assert_equals_clean_rebuild(log: SessionLog, state: CheckedState | Non
     assert state.applied == stream_seqs, f"{session_id}: records applied {state.applied}, the stream has {stream_seqs}"
     assert state.next_seq == len(expected["events"])
     assert state.last_stream_seq == stream_seqs[-1]
-
-
-async def eventually(condition: Callable[[], Awaitable[bool]], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout}s")
-        await asyncio.sleep(0.02)
 
 
 def count_loads(runner: ProjectionRunner[Any]) -> dict[str, int]:
@@ -329,7 +197,7 @@ def closed_turn_events(first_seq: int, turn: int) -> list[bytes]:
     return [
         encode_new_event("turn/start", {"turn": turn}, seq=first_seq, time=1),
         encode_new_event(
-            "user/message", user_message("hi", f"raw{turn}"), seq=first_seq + 1, time=1, surface_op="append"
+            "user/message", user_message_data("hi", f"raw{turn}"), seq=first_seq + 1, time=1, surface_op="append"
         ),
         encode_new_event("turn/end", {"turn": turn, "reason": {"kind": "completed"}}, seq=first_seq + 2, time=1),
     ]
@@ -689,11 +557,8 @@ async def _die(runner: ProjectionRunner[Any]) -> None:
 async def own(fresh_server: EmbeddedServer) -> AsyncIterator[tuple[str, Harness]]:
     """A server of the test's own (poison stays out of the module's stream), and a harness closed before the
     server is killed."""
-    opened = Harness()
-    try:
+    async with Harness() as opened:
         yield fresh_server.url, opened
-    finally:
-        await opened.aclose()
 
 
 async def test_a_poison_record_is_quarantined_and_the_next_records_still_apply(own: tuple[str, Harness]) -> None:

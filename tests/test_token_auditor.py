@@ -14,8 +14,9 @@ import msgspec
 import pytest
 import pytest_asyncio
 from natsfixtures import new_session_id
+from scaffold import WAIT_S, serving
 from test_audit import usage_sum
-from test_fixtures_corpus import FIXTURE_FILES, FIXTURES_DIR, read_fixture
+from test_fixtures_corpus import FIXTURE_FILES, FIXTURES_DIR, import_corpus, read_fixture
 
 from services.gateway import GatewayConfig, ScriptedProvider, ServerThread, UpstreamConfig, build_app
 from services.token_auditor.service import FINDINGS, TokenAuditorService
@@ -29,38 +30,18 @@ from sessionlog.settings import Settings
 pytest_plugins = ["natsfixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
-WAIT_S = 10.0
 HEADER = {"config": {"provider": "scripted", "model": "scripted-model"}, "system": "You are brief."}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def log(provisioned: Settings) -> AsyncIterator[SessionLog]:
-    connection = await SessionLog.connect(provisioned)
-    try:
-        yield connection
-    finally:
-        await connection.close()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fixtures(log: SessionLog) -> dict[str, str]:
-    ids: dict[str, str] = {}
-    for index, path in enumerate(FIXTURE_FILES):
-        session_id = f"dsh-{index:02d}-{new_session_id('a')}"
-        await log.import_log(read_fixture(path), session_id)
-        ids[path.name] = session_id
-    return ids
+    return await import_corpus(log, "a")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def auditor(log: SessionLog, fixtures: dict[str, str]) -> AsyncIterator[TokenAuditorService]:
-    service = TokenAuditorService(log, partitions=list(range(log.settings.partition_count)))
-    await service.start()
-    try:
-        await service.runner.wait_ready(WAIT_S)
+    async with serving(TokenAuditorService(log, partitions=list(range(log.settings.partition_count)))) as service:
         yield service
-    finally:
-        await service.stop()
 
 
 async def report(log: SessionLog, session_id: str) -> dict[str, Any]:

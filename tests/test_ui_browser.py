@@ -14,12 +14,12 @@ import pytest
 import pytest_asyncio
 from conftest import REPO_ROOT
 from natsfixtures import new_session_id
-from sessiongen import text_block, tool_call_block
+from scaffold import serving
+from sessiongen import text_block, tool_call_block, user_message_data
 
 from services.ui_replayer.service import UIReplayerService
 from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.repair import interrupted_turn_closers
-from sessionlog.settings import Settings
 
 CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():
@@ -47,23 +47,10 @@ SCREENSHOTS = REPO_ROOT / "test-output" / "ui-browser"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def log(provisioned: Settings) -> AsyncIterator[SessionLog]:
-    connection = await SessionLog.connect(provisioned)
-    try:
-        yield connection
-    finally:
-        await connection.close()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def ui(log: SessionLog) -> AsyncIterator[UIReplayerService]:
-    service = UIReplayerService(log, host="127.0.0.1", port=0, partitions=list(range(log.settings.partition_count)))
-    await service.start()
-    try:
-        await service.runner.wait_ready(10)
+    partitions = list(range(log.settings.partition_count))
+    async with serving(UIReplayerService(log, host="127.0.0.1", port=0, partitions=partitions)) as service:
         yield service
-    finally:
-        await service.stop()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -101,10 +88,6 @@ async def save(tab: Any, tmp_path: Path, name: str) -> Path:
     shutil.copy(path, SCREENSHOTS / path.name)
     assert path.stat().st_size > 10_000  # a real rendering, not a blank page
     return path
-
-
-def user(text: str, msg_id: str) -> dict[str, Any]:
-    return {"id": msg_id, "role": "user", "source": {"kind": "user"}, "content": [text_block(text)]}
 
 
 async def answer(writer: SessionWriter, turn: int, step: int, blocks: list[dict[str, Any]]) -> None:
@@ -146,7 +129,9 @@ async def compacted_forked_interrupted(log: SessionLog) -> tuple[str, str, dict[
     writer = await log.create(new_session_id("parent"))
     seqs: dict[str, int] = {}
     await writer.emit("turn/start", {"turn": 1})
-    seqs["question"] = (await writer.emit("user/message", user("What is in notes.txt?", "u1"), surface_op="append")).seq
+    seqs["question"] = (
+        await writer.emit("user/message", user_message_data("What is in notes.txt?", "u1"), surface_op="append")
+    ).seq
     await writer.emit("request/header", {"header": {"config": {"provider": "p", "model": "m"}}, "reason": "initial"})
     await writer.emit("step/start", {"turn": 1, "step": 1})
     await answer(writer, 1, 1, [tool_call_block("call-1", "read", '{"path":"notes.txt"}')])
@@ -172,7 +157,7 @@ async def compacted_forked_interrupted(log: SessionLog) -> tuple[str, str, dict[
     nodes = writer.session.surface.nodes
     seqs["compaction"] = (await writer.compact(nodes[0], nodes[-1], "The user asked about notes.txt: buy milk.")).seq
     seqs["first"], seqs["through"] = nodes[0], nodes[-1]
-    seqs["script"] = (await writer.emit("user/message", user(SCRIPT, "u2"), surface_op="append")).seq
+    seqs["script"] = (await writer.emit("user/message", user_message_data(SCRIPT, "u2"), surface_op="append")).seq
     await writer.emit("step/start", {"turn": 2, "step": 1})
     await answer(writer, 2, 1, [tool_call_block("call-2", "write", '{"path":"notes.txt"}')])
     await writer.emit("tool/call", {"turn": 2, "step": 1, "callId": "call-2", "name": "write", "arguments": "{}"})
@@ -224,7 +209,7 @@ async def test_an_open_page_shows_a_streamed_answer_and_new_messages_as_they_arr
     writer = await log.create(new_session_id("live"))
     try:
         await writer.emit("turn/start", {"turn": 1})
-        await writer.emit("user/message", user("Count to three.", "u1"), surface_op="append")
+        await writer.emit("user/message", user_message_data("Count to three.", "u1"), surface_op="append")
         await writer.emit(
             "request/header", {"header": {"config": {"provider": "p", "model": "m"}}, "reason": "initial"}
         )
@@ -259,7 +244,7 @@ async def test_an_open_page_shows_a_streamed_answer_and_new_messages_as_they_arr
         await writer.emit("step/end", {"turn": 1, "step": 1})
         await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}})
         await writer.emit("turn/start", {"turn": 2})
-        await writer.emit("user/message", user(SCRIPT + " and thanks!", "u2"), surface_op="append")
+        await writer.emit("user/message", user_message_data(SCRIPT + " and thanks!", "u2"), surface_op="append")
         await writer.flush()
         await page.get_by_text("one, two, three.", exact=True).wait_for(timeout=WAIT_MS)
         await page.locator(".turn-end.outcome-completed").wait_for(timeout=WAIT_MS)

@@ -15,53 +15,34 @@ import msgspec
 import pytest
 import pytest_asyncio
 from natsfixtures import log_settings, new_session_id
+from scaffold import WAIT_S, serving
 from sessiongen import text_block
-from test_fixtures_corpus import FIXTURE_FILES, read_fixture
+from test_fixtures_corpus import FIXTURE_FILES, import_corpus, read_fixture
 
 from services.ui_replayer.service import UIReplayerService
 from sessionlog.events import SURFACE_TYPES
 from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.services import RunOptions, factory
 from sessionlog.session import Session
-from sessionlog.settings import Settings
 from sessionlog.transcript import build_transcript, transcript_json
 
 pytest_plugins = ["natsfixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
-WAIT_S = 10.0
 XSS = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">&amp; "quoted"'
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def log(provisioned: Settings) -> AsyncIterator[SessionLog]:
-    connection = await SessionLog.connect(provisioned)
-    try:
-        yield connection
-    finally:
-        await connection.close()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fixtures(log: SessionLog) -> dict[str, str]:
     """Every dsh fixture imported under an id of its own: file name -> session id."""
-    ids: dict[str, str] = {}
-    for index, path in enumerate(FIXTURE_FILES):
-        session_id = f"dsh-{index:02d}-{new_session_id('f')}"
-        await log.import_log(read_fixture(path), session_id)
-        ids[path.name] = session_id
-    return ids
+    return await import_corpus(log, "f")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def ui(log: SessionLog, fixtures: dict[str, str]) -> AsyncIterator[UIReplayerService]:
-    service = UIReplayerService(log, host="127.0.0.1", port=0, partitions=list(range(log.settings.partition_count)))
-    await service.start()
-    try:
-        await service.runner.wait_ready(WAIT_S)
+    partitions = list(range(log.settings.partition_count))
+    async with serving(UIReplayerService(log, host="127.0.0.1", port=0, partitions=partitions)) as service:
         yield service
-    finally:
-        await service.stop()
 
 
 @pytest_asyncio.fixture(loop_scope="module")

@@ -397,6 +397,42 @@ async def test_an_idle_runner_keeps_consuming(harness: Harness, url: str) -> Non
     await assert_equals_clean_rebuild(log, state, writer.session_id)
 
 
+async def test_records_applied_while_a_checkpoint_is_written_are_checkpointed_later_even_when_idle(
+    harness: Harness, url: str
+) -> None:
+    log = await harness.connect(url)
+    runner = await harness.runner(url)
+    writer = await harness.create(log)
+    number = partition_of(writer.session_id, log.settings.partition_count)
+    key = f"{runner.name}.p{number}"
+    kv = runner._kv
+    real_put = kv.put
+    writing, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_put(name: str, value: bytes, *args: Any, **kwargs: Any) -> int:
+        if name == key and not release.is_set():  # the first checkpoint of our partition: held in flight
+            writing.set()
+            await asyncio.wait_for(release.wait(), WAIT_S)
+        revision: int = await real_put(name, value, *args, **kwargs)
+        return revision
+
+    kv.put = slow_put
+    await streamed_turn(writer, "checkpointed slowly")
+    await writer.flush()
+    await asyncio.wait_for(writing.wait(), WAIT_S)
+    await streamed_turn(writer, "applied while the checkpoint is in flight")
+    await writer.flush()
+    await runner.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
+    release.set()
+    end = await last_stream_seq(log, partition_filter(number))
+    store = await log.js.key_value(log.settings.kv_checkpoints)
+
+    async def caught_up() -> bool:  # nothing more arrives: only the idle loop can write the newer checkpoint
+        return bool(json.loads((await store.get(key)).value)["stream_seq"] >= end)
+
+    await eventually(caught_up, f"the checkpoint of partition {number} reaching stream seq {end}", timeout=WAIT_S)
+
+
 async def test_a_consumer_deleted_under_the_runner_is_recreated_and_nothing_is_lost_or_applied_twice(
     harness: Harness, url: str
 ) -> None:

@@ -41,6 +41,9 @@ from sessionlog.wire import WireCache, compare_request, parse_request, to_wire
 from .synth import LogBuilder
 
 SIZES = tuple(int(s) for s in os.environ.get("BENCH_GATEWAY_SIZES", "100,1000,10000").split(","))
+# "stream": the gateway reads the log's tail itself; "auto" (the gateway's default): it asks a context-deriver
+# process (which the benchmark starts) and reads the stream only when the deriver does not answer.
+DERIVATION = os.environ.get("BENCH_GATEWAY_DERIVATION", "stream")
 ROUNDS = {100: 400, 1_000: 200, 10_000: 40}
 
 
@@ -271,7 +274,13 @@ def main() -> dict[str, object]:
                    "SESSIONLOG_PROVIDER_API_KEY": "unused"}  # fmt: skip
             args = ["-m", "services.gateway.scripted", str(script), "--port", str(provider_port), "--cycle"]
             procs.append(_spawn(args, env, provider_url + "/healthz"))
-            procs.append(_spawn(["-m", "services.gateway", "--derivation", "stream"], env, gateway_url + "/healthz"))
+            if DERIVATION == "auto":
+                deriver_port = free_port()
+                deriver_env = {**env, "SESSIONLOG_METRICS_PORT": str(deriver_port), "SESSIONLOG_PARTITIONS": "0-7"}
+                deriver = ["-m", "sessionlog", "serve", "context-deriver"]
+                procs.append(_spawn(deriver, deriver_env, f"http://127.0.0.1:{deriver_port}/readyz"))
+            gateway = ["-m", "services.gateway", "--derivation", DERIVATION]
+            procs.append(_spawn(gateway, env, gateway_url + "/healthz"))
             settings = Settings(_env_file=None, nats_url=server.url, metrics_port=0)
             sizes = asyncio.run(
                 run_all(settings, provider_url + "/v1/chat/completions", gateway_url + "/v1/chat/completions")
@@ -282,6 +291,7 @@ def main() -> dict[str, object]:
             server.kill()
     return {
         "benchmark": "gateway",
+        "derivation": DERIVATION,
         "sizes": sizes,
         "goals": {
             "overhead_p99_under_2ms_at_100": sizes["100"]["overhead_ms"]["p99"] < 2.0,

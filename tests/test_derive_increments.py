@@ -19,6 +19,7 @@ from sessiongen import user_message_data
 
 from services.context_deriver.service import ContextDeriverService
 from services.gateway.derivation import ContextDeriverClient, StreamSource, _Known
+from sessionlog.errors import InvalidEvent
 from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.micro import call
 from sessionlog.session import messages_canonical
@@ -125,5 +126,16 @@ async def test_an_increment_that_does_not_continue_what_the_client_holds_is_fetc
         again = await client.derive(writer.session_id, await user_turn(writer, "and more"))
         assert client.incremental == 1, "the whole list it fetched is what it builds on next"
         assert messages_canonical(again.messages) == messages_canonical(writer.session.derive_messages())
+    finally:
+        await writer.close()
+
+
+async def test_bad_known_fields_are_refused_with_a_typed_error(log: SessionLog) -> None:
+    writer = await log.create(new_session_id("inc"))
+    try:
+        await user_turn(writer, "x")
+        for bad in ({"known_count": -1}, {"known_generation": "0"}, {"known_count": 1.5}):
+            with pytest.raises(InvalidEvent, match=next(iter(bad))):
+                await derive(log, {"session": writer.session_id, "known_generation": 0, **bad})
     finally:
         await writer.close()

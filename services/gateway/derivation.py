@@ -217,19 +217,32 @@ class _Known:
         self.items: list[DerivedMessage] = []
         self.hasher = hashlib.sha256(b"[")
 
-    def extend(self, raws: list[bytes], seqs: Sequence[int]) -> None:
-        """Add messages in order; `seqs` gives their seqs when the deriver sent them (else -1)."""
+    def extend(self, raws: list[bytes], seqs: Sequence[int], expected_sha256: str | None = None) -> bool:
+        """Add messages in order (`seqs` gives their seqs when the deriver sent them, else -1). With
+        `expected_sha256` (of the whole list), nothing is added unless the list with them hashes to it."""
+        hasher = self.hasher.copy()
         for i, raw in enumerate(raws):
-            self.hasher.update(b"," + raw if self.items else raw)
+            hasher.update(b"," + raw if self.items or i else raw)
+        if expected_sha256 is not None and _closed(hasher) != expected_sha256:
+            return False
+        self.hasher = hasher
+        for i, raw in enumerate(raws):
             self.items.append(DerivedMessage(seqs[i] if i < len(seqs) else -1, raw, _message_decoder.decode(raw)))
+        return True
 
     def sha256(self) -> str:
-        final = self.hasher.copy()
-        final.update(b"]")
-        return final.hexdigest()
+        return _closed(self.hasher)
 
     def view(self) -> DerivedMessages:
         return DerivedMessages(self.items, len(self.items))
+
+
+def _closed(hasher: Any) -> str:
+    """The digest of the array whose opening and elements `hasher` has seen, once its `]` is added."""
+    final = hasher.copy()
+    final.update(b"]")
+    digest: str = final.hexdigest()
+    return digest
 
 
 class ContextDeriverClient:
@@ -335,15 +348,7 @@ class ContextDeriverClient:
         continues exactly what this client holds and the whole list's sha256 checks out."""
         if reply.generation != known.generation or reply.messages_from != len(known.items) or reply.sha256 is None:
             return False
-        trial = known.hasher.copy()
-        raws = [bytes(m) for m in reply.messages]
-        for i, raw in enumerate(raws):
-            trial.update(b"," + raw if known.items or i else raw)
-        trial.update(b"]")
-        if trial.hexdigest() != reply.sha256:
-            return False
-        known.extend(raws, reply.seqs or ())
-        return True
+        return known.extend([bytes(m) for m in reply.messages], reply.seqs or (), reply.sha256)
 
     def _derivation(self, session_id: str, first: _DeriveReply, known: _Known, min_seq: int | None) -> Derivation:
         if min_seq is not None and first.seq < min_seq:

@@ -440,8 +440,8 @@ class _LeaseKeeper:
                 self.lease = await self._leases.refresh(self.lease)
             except LeaseLost as err:
                 # A refresh whose ack was lost may still have landed: then the lease is ours at a newer revision.
-                current = await self._current()
-                if current is not None and current.holder == self.lease.holder and current.epoch == self.lease.epoch:
+                current = await self._still_ours()
+                if current is not None:
                     self.lease = current
                     continue
                 for callback in self._callbacks:
@@ -450,11 +450,16 @@ class _LeaseKeeper:
             except Exception as err:  # a transient failure: try again; the TTL decides whether it is lost
                 log.warning("lease refresh for %s failed: %s", self.lease.session_id, err)
 
-    async def _current(self) -> Lease | None:
+    async def _still_ours(self) -> Lease | None:
+        """The lease as it stands now if it is still this holder's tenure (a write whose answer was lost may have
+        landed at a newer revision), else None."""
         try:
-            return await self._leases.current(self.lease.session_id)
+            current = await self._leases.current(self.lease.session_id)
         except Exception:
             return None
+        if current is None or current.holder != self.lease.holder or current.epoch != self.lease.epoch:
+            return None
+        return current
 
     async def stop(self) -> None:
         self._stopping = True
@@ -467,8 +472,8 @@ class _LeaseKeeper:
             await self._leases.release(self.lease)
         except LeaseLost:
             # A refresh cancelled in flight may have landed after all: the lease is then ours at its newer revision.
-            current = await self._current()
-            if current is not None and current.holder == self.lease.holder and current.epoch == self.lease.epoch:
+            current = await self._still_ours()
+            if current is not None:
                 with contextlib.suppress(LeaseLost):
                     await self._leases.release(current)
 

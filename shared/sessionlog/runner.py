@@ -368,8 +368,7 @@ class ProjectionRunner(Generic[S]):
         return False
 
     async def _apply_record(self, record: Record) -> None:
-        if self._apply_live(record):
-            return
+        """A record `_apply_live` could not apply: its session must be (re)loaded from the stream first."""
         session_id = record.session_id
         state = self.states.get(session_id)
         # No state, or one that does not continue into this record: rebuild it from the stream, which holds this

@@ -90,6 +90,9 @@ def test_settings_read_the_environment_and_document_every_field(monkeypatch: pyt
     assert settings.effective_lease_refresh_s == 1.0
     with pytest.raises(ValueError, match="lease_refresh_s"):
         Settings(_env_file=None, lease_ttl_s=2, lease_refresh_s=2)
+    for field, bad in (("projection_max_sessions", 0), ("projection_idle_evict_s", -1)):
+        with pytest.raises(ValueError, match=field):
+            Settings(_env_file=None, **{field: bad})
     table = settings_table_markdown()
     for name in Settings.model_fields:
         assert f"`SESSIONLOG_{name.upper()}`" in table
@@ -480,6 +483,18 @@ def test_choosing_testcontainers_without_a_docker_engine_is_a_clear_error_not_a_
     refusal = pytest.raises(BackendUnavailable, match="needs the testcontainers package and a running Docker engine")
     with refusal, container_server():
         pass
+
+
+def test_an_unknown_test_server_backend_is_named_in_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from natsfixtures import TEST_BACKEND_ENV, TEST_URL_ENV, nats_server
+
+    monkeypatch.delenv(TEST_URL_ENV, raising=False)
+    monkeypatch.setenv(TEST_BACKEND_ENV, "docker-compose")
+    servers = nats_server.__wrapped__(tmp_path_factory)  # type: ignore[attr-defined]
+    with pytest.raises(BackendUnavailable, match="must be 'embedded' or 'testcontainers', got 'docker-compose'"):
+        next(servers)
 
 
 @pytest.mark.skipif(not docker_available(), reason="no Docker engine answers here (CI has none)")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, normalize_fixture
 
 from sessionlog.cli import main
 from sessionlog.jsonl import read_jsonl
@@ -23,7 +23,7 @@ UNKNOWN = (
 
 def normalized(src: Path, dst: Path) -> Path:
     """The fixture with the recorder's `"{{tools}}"` placeholder replaced by an empty list."""
-    dst.write_bytes(src.read_bytes().replace(b'"tools":"{{tools}}"', b'"tools":[]'))
+    dst.write_bytes(normalize_fixture(src.read_bytes()))
     return dst
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, normalize_fixture
 from natsfixtures import new_session_id
 from sessiongen import derived_pairing
 
@@ -24,18 +24,9 @@ from sessionlog.session import Session, messages_canonical, messages_json
 FIXTURE_FILES = sorted(FIXTURES_DIR.glob("*.jsonl"))
 
 
-def normalize(data: bytes) -> bytes:
-    """The fixtures' rule (../normalize.py): in request/header events, "tools": "{{tools}}" becomes []."""
-    lines = data.split(b"\n")
-    for i, line in enumerate(lines):
-        if b'"{{tools}}"' in line and msgspec.json.decode(line).get("type") == "request/header":
-            lines[i] = line.replace(b'"tools":"{{tools}}"', b'"tools":[]')
-    return b"\n".join(lines)
-
-
 @cache
 def read_fixture(path: Path) -> JsonlLog:
-    return parse_jsonl(normalize(path.read_bytes()))
+    return parse_jsonl(normalize_fixture(path.read_bytes()))
 
 
 @cache

@@ -10,6 +10,8 @@ from typing import Any
 import msgspec
 import pytest
 import zstandard
+from conftest import FIXTURES_DIR
+from conftest import normalize_fixture as normalize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,27 +31,13 @@ from sessionlog.jsonl import (
     write_jsonl,
 )
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "dsh-sessions"
+FIXTURES = FIXTURES_DIR
 FIXTURE_FILES = sorted(FIXTURES.glob("*.jsonl"))
 
 HEADER = b'{"type":"session","version":0,"id":"s-1","createdAt":1784973850000,"delegationDepth":0}'
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-
-
-def normalize(data: bytes) -> bytes:
-    """The fixtures' rule (../normalize.py): request/header data.header.tools "{{tools}}" becomes []."""
-    out = []
-    for line in data.split(b"\n"):
-        if b'"{{tools}}"' in line:
-            obj = msgspec.json.decode(line)
-            header = obj.get("data", {}).get("header") if obj.get("type") == "request/header" else None
-            if isinstance(header, dict) and header.get("tools") == "{{tools}}":
-                header["tools"] = []
-                line = msgspec.json.encode(obj)
-        out.append(line)
-    return b"\n".join(out)
 
 
 def event(kind: str, data: Any, seq: int | None = None, time: int | None = None) -> bytes:

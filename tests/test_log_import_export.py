@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, normalize_fixture
 from natsfixtures import log_settings, new_session_id
 
 from bench.synth import LogBuilder
@@ -33,8 +33,7 @@ CLI_TIMEOUT_S = 60.0
 
 
 def normalized_fixture(path: Path) -> bytes:
-    """The fixtures' rule: the recorder's `"tools":"{{tools}}"` placeholder becomes an empty list."""
-    return path.read_bytes().replace(b'"tools":"{{tools}}"', b'"tools":[]')
+    return normalize_fixture(path.read_bytes())
 
 
 def header_line(session_id: str, **extra: Any) -> bytes:

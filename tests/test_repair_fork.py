@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, normalize_fixture
 from sessiongen import SessionBuilder, derived_pairing, text_block, tool_call_block
 
 from sessionlog.errors import InvalidBoundary, OpenTurn
@@ -223,7 +223,7 @@ def _without_texts(value: Any) -> Any:
 
 
 def test_our_closers_have_the_shape_of_the_closers_dsh_wrote() -> None:
-    log = parse_jsonl(DSH_CLOSERS_FIXTURE.read_bytes().replace(b'"tools":"{{tools}}"', b'"tools":[]'))
+    log = parse_jsonl(normalize_fixture(DSH_CLOSERS_FIXTURE.read_bytes()))
     events = log.events
     first_closer = next(i for i, raw in enumerate(events) if b'"interrupted-tool-result-' in raw)
     dsh = events[first_closer : first_closer + 3]

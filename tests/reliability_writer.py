@@ -1,0 +1,124 @@
+"""A writer process for the reliability suite: it writes one session as an agent does and kills itself with SIGKILL
+at a named checkpoint of a tool turn (fault 4 of issue 15).
+
+    python tests/reliability_writer.py SESSION_ID CHECKPOINT     (the log from SESSIONLOG_* settings)
+
+The session gets one whole turn first, then a second turn that streams an answer announcing two tool calls, runs
+them (a durable `tool/call` before each body, as SPEC 7 needs) and ends with a step that answers. `CHECKPOINTS` are
+the moments the process may die at; it prints `at CHECKPOINT` just before it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sessiongen import (
+    assistant_message_data,
+    closed_turn,
+    text_block,
+    tool_call_block,
+    tool_result_data,
+    user_message_data,
+)
+
+from sessionlog.log import SessionLog, SessionWriter
+
+CHECKPOINTS = (
+    "before-request-flush",  # the turn's first events queued, nothing of it durable
+    "after-request-flush",  # the request header durable, no chunk yet
+    "mid-chunks",  # some chunks durable, more queued
+    "after-assistant-message",  # the message announcing two calls durable, no tool/call yet
+    "before-call-flush",  # the first tool/call queued, not flushed: its body has not started
+    "after-call-flush",  # the first tool/call durable: its body may have run
+    "after-tool-result",  # the first call's result durable, the second call not started
+    "after-final-message",  # the answering step's assistant message durable, the turn not ended
+)
+CALLS = ("call-a", "call-b")
+
+
+def die(checkpoint: str) -> None:
+    print(f"at {checkpoint}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def tool_turn(writer: SessionWriter, checkpoint: str) -> None:
+    turn = writer.session.last_turn + 1
+    await writer.emit("turn/start", {"turn": turn})
+    await writer.emit("user/message", user_message_data("read two files", f"u{turn}"), surface_op="append")
+    await writer.emit("step/start", {"turn": turn, "step": 1})
+    header = {"config": {"provider": "scripted", "model": "scripted-model"}, "system": "be brief"}
+    reason = "initial" if writer.session.fold_request_header() is None else "change"
+    await writer.emit("request/header", {"header": header, "reason": reason})
+    if checkpoint == "before-request-flush":
+        die(checkpoint)
+    await writer.flush()  # before the provider request
+    if checkpoint == "after-request-flush":
+        die(checkpoint)
+    first = writer.next_seq
+    chunk = {"type": "block-start", "index": 0, "blockType": "text"}
+    await writer.emit("assistant/chunk", {"turn": turn, "step": 1, "chunk": chunk})
+    for i in range(6):
+        delta = {"type": "text-delta", "index": 0, "text": f"w{i} "}
+        await writer.emit("assistant/chunk", {"turn": turn, "step": 1, "chunk": delta})
+        if i == 2:
+            await writer.flush()  # a write-behind window closed mid-stream
+    if checkpoint == "mid-chunks":
+        die(checkpoint)
+    said = "".join(f"w{i} " for i in range(6))
+    end = {"type": "block-end", "index": 0, "block": text_block(said)}
+    await writer.emit("assistant/chunk", {"turn": turn, "step": 1, "chunk": end})
+    calls = [tool_call_block(call_id, "read", f'{{"path":"{call_id}.txt"}}') for call_id in CALLS]
+    message = assistant_message_data(turn, 1, [text_block(said), *calls], f"a{turn}")
+    await writer.emit(
+        "assistant/message", message, surface_op="append", source_event_seqs=list(range(first, first + 8))
+    )
+    if checkpoint == "after-assistant-message":
+        await writer.flush()
+        die(checkpoint)
+    for call in calls:
+        data = {"turn": turn, "step": 1, "callId": call["id"], "name": "read", "arguments": call["arguments"]}
+        call_seq = (await writer.emit("tool/call", data)).seq
+        if checkpoint == "before-call-flush":
+            die(checkpoint)
+        await writer.flush()  # before the tool body
+        if checkpoint == "after-call-flush":
+            die(checkpoint)
+        result = tool_result_data(turn, 1, call["id"], "contents", msg_id=f"r-{call['id']}")
+        await writer.emit("tool/result", result, surface_op="append", source_event_seqs=[call_seq])
+        if checkpoint == "after-tool-result":
+            await writer.flush()
+            die(checkpoint)
+    await writer.emit("step/end", {"turn": turn, "step": 1})
+    await writer.emit("step/start", {"turn": turn, "step": 2})
+    await writer.flush()  # before the second provider request
+    answer = assistant_message_data(turn, 2, [text_block("both read")], f"a{turn}b")
+    await writer.emit("assistant/message", answer, surface_op="append", source_event_seqs=[])
+    if checkpoint == "after-final-message":
+        await writer.flush()
+        die(checkpoint)
+    await writer.emit("step/end", {"turn": turn, "step": 2})
+    await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}})
+    await writer.flush()
+
+
+async def main(session_id: str, checkpoint: str) -> None:
+    if checkpoint not in CHECKPOINTS:
+        raise SystemExit(f"unknown checkpoint {checkpoint!r}; one of {', '.join(CHECKPOINTS)}")
+    log = await SessionLog.connect()
+    writer = await log.create(session_id)
+    await closed_turn(writer, "first question")
+    await writer.flush()
+    await tool_turn(writer, checkpoint)
+    print("finished without dying", flush=True)
+    await writer.close()
+    await log.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2]))

@@ -2,6 +2,10 @@
 at a named checkpoint of a tool turn (fault 4 of issue 15).
 
     python tests/reliability_writer.py SESSION_ID CHECKPOINT     (the log from SESSIONLOG_* settings)
+    python tests/reliability_writer.py --load PREFIX COUNT SECONDS
+
+The second form is the load of issue 15: COUNT sessions written concurrently for SECONDS, each a whole streamed tool
+turn now and then; at the end it prints one JSON line: every session's last acknowledged seq and every failure.
 
 The session gets one whole turn first, then a second turn that streams an answer announcing two tool calls, runs
 them (a durable `tool/call` before each body, as SPEC 7 needs) and ends with a step that answers. `CHECKPOINTS` are
@@ -11,9 +15,12 @@ the moments the process may die at; it prints `at CHECKPOINT` just before it doe
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import random
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -21,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sessiongen import (
     assistant_message_data,
     closed_turn,
+    streamed_turn,
     text_block,
     tool_call_block,
     tool_result_data,
@@ -120,5 +128,35 @@ async def main(session_id: str, checkpoint: str) -> None:
     await log.close()
 
 
+async def one_session(log: SessionLog, session_id: str, until: float, failures: list[str]) -> tuple[str, int]:
+    writer = await log.create(session_id)
+    chance = random.Random(session_id)
+    turns = 0
+    try:
+        await asyncio.sleep(chance.uniform(0, 1))  # spread the sessions' turns over time
+        while time.monotonic() < until:
+            await streamed_turn(writer, f"turn {turns}", deltas=chance.randint(3, 12), tools=turns % 3)
+            await writer.flush()
+            turns += 1
+            await asyncio.sleep(chance.uniform(0.2, 1.0))
+        await writer.close()
+    except Exception as err:  # reported, not raised: the test decides
+        failures.append(f"{session_id}: {type(err).__name__}: {err}")
+        await writer.abandon()
+    return session_id, writer.durable_seq
+
+
+async def load(prefix: str, count: int, seconds: float) -> None:
+    log = await SessionLog.connect()
+    failures: list[str] = []
+    until = time.monotonic() + seconds
+    done = await asyncio.gather(*(one_session(log, f"{prefix}-{i}", until, failures) for i in range(count)))
+    await log.close()
+    print(json.dumps({"acked": dict(done), "failures": failures}), flush=True)
+
+
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    if sys.argv[1] == "--load":
+        asyncio.run(load(sys.argv[2], int(sys.argv[3]), float(sys.argv[4])))
+    else:
+        asyncio.run(main(sys.argv[1], sys.argv[2]))

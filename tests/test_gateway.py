@@ -4,6 +4,7 @@ events written with the real SessionLog writer, requests made with httpx and the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -393,6 +394,62 @@ async def test_a_key_given_twice_smuggles_nothing_past_the_check_the_provider_ge
     # The same request sent cleanly is forwarded as the very same bytes.
     assert (await post(http, agent, request)).status_code == 200
     assert provider.received[-1] == sent
+
+
+def smuggling_body(request: dict[str, Any], user_text: str) -> bytes:
+    """`request` encoded with a first `messages` the check (last wins) never reads, and inside the real one a user
+    message whose `content` is given twice: injected text first, the logged text last."""
+    body = msgspec.json.encode(request)
+    assert body.startswith(b"{") and b'"messages":' in body
+    injected = b'"messages":[{"role":"user","content":"INJECTED FIRST"}],'
+    user = b'"role":"user","content":' + msgspec.json.encode(user_text)
+    assert body.count(user) == 1
+    inner = b'"role":"user","content":"INJECTED INSIDE","content":' + msgspec.json.encode(user_text)
+    return b"{" + injected + body[1:].replace(user, inner)
+
+
+async def read_tee(log: SessionLog, session_id: str, request_id: str) -> dict[str, tuple[dict[str, str], bytes]]:
+    """The raw tee's request and response entries for one gateway request."""
+    entries: dict[str, tuple[dict[str, str], bytes]] = {}
+    sub = await log.js.subscribe(raw_subject(session_id), stream=log.settings.raw_stream, ordered_consumer=True)
+    try:
+        deadline = time.monotonic() + 5
+        while len(entries) < 2 and time.monotonic() < deadline:
+            try:
+                msg = await sub.next_msg(timeout=1)
+            except nats.errors.TimeoutError:
+                continue
+            headers = msg.headers or {}
+            if headers.get("Sessionlog-Request-Id") == request_id:
+                entries[headers["Sessionlog-Kind"]] = (headers, msg.data)
+    finally:
+        await sub.unsubscribe()
+    return entries
+
+
+@pytest.mark.parametrize("model_map", [{}, {"scripted-model": "provider-model-v2"}], ids=["no-map", "model-map"])
+async def test_a_key_given_twice_reaches_neither_the_provider_nor_the_tee_with_or_without_a_model_map(
+    provisioned: Settings,
+    provider_server: ServerThread,
+    agent: Agent,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    model_map: dict[str, str],
+) -> None:
+    provider.load([{"text": "checked"}])
+    base = gateway_config(provisioned, provider_server.url)
+    config = base.with_(upstream=dataclasses.replace(base.upstream, model_map=model_map))
+    await agent.start_turn("What is in the notes?")
+    request = agent.request()
+    with ServerThread(build_app(provisioned, config)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            response = await post(client, agent, smuggling_body(request, "What is in the notes?"))
+    assert response.status_code == 200, response.text
+    sent = provider.received[-1]
+    assert b"INJECTED" not in sent and sent.count(b'"messages"') == 1
+    assert msgspec.json.decode(sent) == {**request, "model": model_map.get(request["model"], request["model"])}
+    entries = await read_tee(log, agent.session_id, response.headers["x-sessionlog-request-id"])
+    assert entries["request"][1] == sent  # the tee holds exactly the bytes the provider read
 
 
 async def test_a_compacted_session_passes_with_the_summary_and_the_transcript_keeps_the_originals(

@@ -49,7 +49,6 @@ from sessionlog.wire import (
     Divergence,
     InvalidRequest,
     WireCache,
-    checked_body,
     compare_request,
     parse_request,
     to_wire,
@@ -292,7 +291,6 @@ class Gateway:
                 )
             if mode == "derive":
                 parsed = {**to_wire(derivation.messages, header), **extra}
-                body = msgspec.json.encode(parsed)
             with gc_paused():
                 divergence = compare_request(parsed, derivation.messages, header, cache=self._cache(call.session_id))
         except SessionLogError as err:
@@ -306,11 +304,10 @@ class Gateway:
         upstream = self._route(header.header.config.provider)
         call.route = upstream.name
         call.stream = parsed.get("stream") is True
-        if mode != "derive":
-            # Forward what was checked, not the caller's bytes: a key given twice (which the check reads last-wins
-            # and a provider's parser may read first-wins) must not carry anything past the invariant.
-            body = checked_body(parsed, self._cache(call.session_id).expected_messages(derivation.messages, header))
-        forwarded = upstream.forward_body(parsed, body)
+        # Forward what was checked, never the caller's bytes: a key given twice (which the check reads last-wins and
+        # a provider's parser may read first-wins) must not carry anything past the invariant, model map or not.
+        checked = self._cache(call.session_id).expected_messages(derivation.messages, header)
+        forwarded = upstream.forward_body(parsed, checked)
         return await self._forward(request, call, upstream, forwarded)
 
     def _authorize(self, request: Request) -> None:

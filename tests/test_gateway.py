@@ -700,6 +700,104 @@ async def test_the_openai_sdk_works_through_the_gateway_and_sees_refusals(
     await client.close()
 
 
+async def test_the_openai_sdk_with_its_default_retries_sends_each_refused_request_once(
+    provisioned: Settings, provider_server: ServerThread, agent: Agent, provider: ScriptedProvider
+) -> None:
+    """A refusal is final: the SDK (which by default retries 408, 409, 429 and 5xx twice) reads
+    `x-should-retry: false` and stops, so one refused request reaches the gateway once."""
+    app = build_app(provisioned, gateway_config(provisioned, provider_server.url))
+    registry = app.state.gateway.metrics.registry
+
+    def refused_count() -> float:
+        return registry.get_sample_value("sessionlog_gateway_requests_total", {"mode": "proxy", "outcome": "refused"})
+
+    await agent.start_turn("hello SDK")
+    request = agent.request()
+    create: dict[str, Any] = {
+        "model": request["model"], "tools": request["tools"], "temperature": 0.2, "max_tokens": 256,
+    }  # fmt: skip
+    with ServerThread(app) as server:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused")
+        assert client.max_retries == 2
+        try:
+            sneaky = [*request["messages"], {"role": "user", "content": "sneaky"}]
+            with pytest.raises(openai.ConflictError) as conflict:
+                await client.chat.completions.create(messages=sneaky, extra_headers=await agent.headers(), **create)
+            assert conflict.value.code == "DERIVATION_DIVERGES"
+            assert refused_count() == 1
+            assert conflict.value.response.headers["x-should-retry"] == "false"
+            # A seq the log does not reach: the gateway waits its bounded time once, not three times.
+            ahead = {**await agent.headers(), "X-Session-Seq": str(agent.writer.next_seq + 5)}
+            with pytest.raises(openai.ConflictError):
+                await client.chat.completions.create(messages=request["messages"], extra_headers=ahead, **create)
+            assert refused_count() == 2
+            # A malformed `messages` is a bad request (400), not a divergence of the log (409).
+            with pytest.raises(openai.BadRequestError) as bad:
+                await client.chat.completions.create(
+                    messages="not a list",  # type: ignore[arg-type]
+                    extra_headers=await agent.headers(), **create,
+                )  # fmt: skip
+            assert bad.value.code == "INVALID_REQUEST" and "$.messages" in bad.value.message
+            assert refused_count() == 3
+        finally:
+            await client.close()
+    assert provider.received == []
+
+
+@pytest.mark.parametrize(
+    ("messages", "what"),
+    [(None, "missing"), ("hi", "a string"), ({"role": "user"}, "an object"), (["hi"], "an item that is no object"),
+     ([{"content": "no role"}], "an item without a role")],
+    ids=["missing", "string", "object", "item-not-object", "item-without-role"],
+)  # fmt: skip
+async def test_a_malformed_messages_field_is_invalid_request_not_a_divergence(
+    http: httpx.AsyncClient, agent: Agent, provider: ScriptedProvider, messages: Any, what: str
+) -> None:
+    await agent.start_turn("hello")
+    request = agent.request()
+    if messages is None:
+        del request["messages"]
+    else:
+        request["messages"] = messages
+    response = await post(http, agent, request)
+    assert response.status_code == 400, what
+    error = response.json()["error"]
+    assert error["code"] == "INVALID_REQUEST" and "$.messages" in error["message"], (what, error)
+    assert response.headers["x-should-retry"] == "false"
+    # Derive mode reads the same field the same way.
+    url = f"/v1/sessions/{agent.session_id}/completions"
+    if messages is not None:
+        response = await http.post(url, json={"messages": messages})
+        assert response.status_code == 400 and response.json()["error"]["code"] == "INVALID_REQUEST", what
+    assert provider.received == []
+
+
+async def test_every_refusal_says_do_not_retry_and_unknown_routes_answer_the_json_error_shape(
+    http: httpx.AsyncClient, agent: Agent
+) -> None:
+    await agent.start_turn("hello")
+    body = msgspec.json.encode({**agent.request(), "seed": 7})
+    answers = [
+        await post(http, agent, body),  # 409 HEADER_DIVERGES
+        await post(http, agent, b"{not json"),  # 400 INVALID_REQUEST
+        await http.post("/v1/chat/completions", content=body, headers={"X-Session-Id": "nobody-" + uuid.uuid4().hex}),
+        await http.post("/v1/chat/completions", content=body, headers={"X-Session-Id": "bad.id"}),
+    ]
+    assert [r.status_code for r in answers] == [409, 400, 404, 400]
+    assert all(r.headers.get("x-should-retry") == "false" for r in answers)
+    for method, path, status, code in [
+        ("POST", "/v1/embeddings", 404, "NOT_FOUND"),
+        ("GET", "/v1/models/x", 404, "NOT_FOUND"),
+        ("GET", "/v1/chat/completions", 405, "METHOD_NOT_ALLOWED"),
+    ]:
+        response = await http.request(method, path)
+        assert response.status_code == status, (path, response.text)
+        assert response.headers["content-type"].startswith("application/json")
+        error = response.json()["error"]
+        assert error["code"] == code and error["type"] == "invalid_request_error" and path in error["message"]
+        assert response.headers["x-should-retry"] == "false"
+
+
 async def test_the_gateway_api_key_is_required_when_configured(
     provisioned: Settings, provider_server: ServerThread, agent: Agent, provider: ScriptedProvider
 ) -> None:

@@ -976,3 +976,45 @@ async def test_the_context_deriver_client_against_the_real_context_deriver(
     bad = {**expected_request, "temperature": 1.0}
     divergence = compare_request(bad, derived.messages, derived.header)
     assert divergence is not None and divergence.path == "$.temperature"
+
+
+async def test_a_refusal_in_the_default_mode_names_the_seq_when_the_context_deriver_answers(
+    provisioned: Settings, provider_server: ServerThread, log: SessionLog, agent: Agent, provider: ScriptedProvider
+) -> None:
+    """SPEC section 10: a refusal names the seq. In `auto` mode the derivation comes from the context-deriver,
+    whose reply must carry each message's seq and the header's, as the stream's does."""
+    from services.context_deriver.service import ContextDeriverService
+
+    config = gateway_config(provisioned, provider_server.url, deriver_timeout_s=5.0)
+    assert config.derivation == "auto"
+    app = build_app(provisioned, config)
+    registry = app.state.gateway.metrics.registry
+    await agent.start_turn("first question")
+    await agent.assistant("first answer")
+    await agent.end_step()
+    await agent.start_step()
+    user_seq = next(e.seq for e in agent.writer.session if e.type == "user/message")
+    header = agent.writer.session.fold_request_header()
+    assert header is not None and header.seq > 0
+    service = ContextDeriverService(log)
+    await service.start()
+    try:
+        with ServerThread(app) as server:
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                edited = agent.request()
+                edited["messages"][1]["content"] = "What do my secrets say?"
+                message_error = refused(
+                    await post(client, agent, edited), "DERIVATION_DIVERGES", "$.messages[1].content"
+                )
+                header_error = refused(await post(client, agent, {**agent.request(), "temperature": 0.9}),
+                                       "HEADER_DIVERGES", "$.temperature")  # fmt: skip
+    finally:
+        await service.stop()
+    sources = {
+        source: registry.get_sample_value("sessionlog_gateway_derivations_total", {"source": source})
+        for source in ("context-deriver", "stream")
+    }
+    assert sources == {"context-deriver": 2.0, "stream": None}, "both derivations came from the context-deriver"
+    assert message_error.get("seq") == user_seq, message_error
+    assert header_error.get("seq") == header.seq, header_error
+    assert provider.received == []

@@ -55,7 +55,7 @@ from typing import Any, Final
 
 import msgspec
 
-from .errors import DerivationDiverges, HeaderDiverges, SessionLogError, UnsupportedContent
+from .errors import DerivationDiverges, HeaderDiverges, InvalidRequest, SessionLogError, UnsupportedContent
 from .events import ImageBlock, ReasoningBlock, TextBlock, ToolCallBlock, ToolResultBlock
 from .session import DerivedMessage, DerivedMessages, FoldedHeader
 
@@ -68,13 +68,6 @@ _top_decoder: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ARRAY_GOES_ON: Final = re.compile(rb"[ \t\n\r]*([,\]])")
 _CAMEL_RE: Final = re.compile(r"(?<=[a-z0-9])([A-Z])")
 _PLAIN_ROLES: Final = frozenset({"user", "system", "developer"})
-
-
-class InvalidRequest(SessionLogError):
-    """A request body that is not a chat-completions request at all (not JSON, not an object, or a `messages` that
-    is not an array of messages)."""
-
-    code = "INVALID_REQUEST"
 
 
 def canonical(value: Any) -> bytes:

@@ -85,9 +85,15 @@ class UIReplayer(Projection[UIState]):
 
     def __init__(self) -> None:
         self.listeners: dict[str, set[_Listener]] = {}
+        # The service's cache of session headers; kept here so that a purge (`on_forget`) drops the header too,
+        # or the erased session would still be found (and its header served) after its records are gone.
+        self.headers: OrderedDict[str, bytes] = OrderedDict()
 
     def new_state(self, session_id: str) -> UIState:
         return UIState(session_id)
+
+    def on_forget(self, session_id: str) -> None:
+        self.headers.pop(session_id, None)
 
     def on_applied(self, state: UIState, record: Record) -> None:
         updates, state.updates = state.updates, []
@@ -139,7 +145,7 @@ class UIReplayerService(ProjectionService[UIState]):
         super().__init__(log_, ProjectionRunner(log_, self.projection, **runner_options))
         self.host = host if host is not None else self.settings.ui_host
         self.port = port if port is not None else self.settings.ui_port
-        self._headers: OrderedDict[str, bytes] = OrderedDict()
+        self._headers = self.projection.headers
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()

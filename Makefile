@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint demo bench clean reliability
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,15 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/pytest -q
+
+# The reliability suite at full scale (issue 15; minutes to an hour): every fault many times, the 1,000-session
+# load, Hypothesis's thorough profile. `make test` runs the same tests at a small bounded scale. The figures land in
+# test-output/reliability-figures.jsonl and then in the table of docs/reliability.md.
+reliability: $(STAMP)
+	mkdir -p test-output
+	rm -f test-output/reliability-figures.jsonl
+	SESSIONLOG_RELIABILITY=full HYPOTHESIS_PROFILE=thorough $(BIN)/pytest -q -rxX tests/test_reliability_*.py
+	$(BIN)/python tests/reliability_table.py --mode full --write docs/reliability.md
 
 demo: $(STAMP)
 	$(BIN)/sessionlog demo

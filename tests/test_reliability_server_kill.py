@@ -57,8 +57,11 @@ def sync_always(server: EmbeddedServer) -> bool:
         return bool(json.load(reply)["jetstream"]["config"].get("sync_always", False))
 
 
-async def stream_turns(writer: SessionWriter, stop: asyncio.Event, failures: list[SessionLogError]) -> int:
-    """Whole tool turns until told to stop; a typed failure ends this writer (kept for the test to judge)."""
+async def stream_turns(
+    writer: SessionWriter, stop: asyncio.Event, failures: list[SessionLogError], pause: float = 0.01
+) -> int:
+    """Whole tool turns until told to stop, `pause` seconds apart; a typed failure ends this writer (kept for the
+    test to judge)."""
     turns = 0
     while not stop.is_set():
         try:
@@ -68,7 +71,7 @@ async def stream_turns(writer: SessionWriter, stop: asyncio.Event, failures: lis
             failures.append(err)
             return turns
         turns += 1
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(pause)
     return turns
 
 

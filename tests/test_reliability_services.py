@@ -88,7 +88,7 @@ async def test_a_service_killed_mid_batch_again_and_again_answers_what_a_clean_r
             writers = [await opened.create(log) for _ in range(scale(4, 24))]
             failures: list[SessionLogError] = []
             stop = asyncio.Event()
-            streams = [asyncio.create_task(stream_turns(w, stop, failures)) for w in writers]
+            streams = [asyncio.create_task(stream_turns(w, stop, failures, pause=0.1)) for w in writers]
             try:
                 for i in range(kills):
                     await asyncio.sleep(chance.uniform(0.3, 1.2))

@@ -138,7 +138,7 @@ async def one_session(log: SessionLog, session_id: str, until: float, failures: 
             await streamed_turn(writer, f"turn {turns}", deltas=chance.randint(3, 12), tools=turns % 3)
             await writer.flush()
             turns += 1
-            await asyncio.sleep(chance.uniform(0.5, 2.0))  # an agent waits for its model between turns
+            await asyncio.sleep(chance.uniform(2.0, 8.0))  # an agent waits for its model and its tools
         await writer.close()
     except Exception as err:  # reported, not raised: the test decides
         failures.append(f"{session_id}: {type(err).__name__}: {err}")

@@ -34,6 +34,9 @@ from sessionlog.micro import call
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
 SERVICES = ("context-deriver", "token-auditor", "ui-replayer")
+# A restart is ready once it has caught up with the stream: bounded, and the full run's streams are long (the
+# token-auditor also logs a finding for every generated step, whose tool call has no chunks of its own).
+READY_S = 120.0
 
 
 async def answer(name: str, log: SessionLog, session_id: str, min_seq: int, ui_port: int) -> Any:
@@ -59,7 +62,7 @@ async def caught_up(process: ServiceProcess, name: str) -> None:
         component = body["components"][name]
         return bool(component["ready"]) and all(v == 0 for v in component["lag_events"].values())
 
-    await eventually(no_lag, f"{name} has no lag", timeout=30)
+    await eventually(no_lag, f"{name} has no lag", timeout=READY_S)
 
 
 def quarantined(process: ServiceProcess, name: str) -> int:
@@ -98,7 +101,7 @@ async def test_a_service_killed_mid_batch_again_and_again_answers_what_a_clean_r
                     killed_at = time.monotonic()
                     await asyncio.sleep(chance.uniform(0.0, 0.3))
                     process.start()
-                    await process.wait_ready()
+                    await process.wait_ready(timeout=READY_S)
                     recovered.since(killed_at)
             finally:
                 stop.set()
@@ -112,7 +115,7 @@ async def test_a_service_killed_mid_batch_again_and_again_answers_what_a_clean_r
             process.stop()
 
             clean.start("--rebuild")
-            await clean.wait_ready()
+            await clean.wait_ready(timeout=READY_S)
             await caught_up(clean, name)
             rebuilt = {w.session_id: await answer(name, log, w.session_id, w.durable_seq, ui_port) for w in writers}
             for sid in lived:

@@ -67,7 +67,11 @@ async def test_concurrent_sessions_from_writer_processes_with_a_deriver_killed_m
         workdir = tmp_path / name
         workdir.mkdir()
         service = name.removesuffix("-2")
-        services[name] = ServiceProcess(service, fresh_server.url, workdir, SESSIONLOG_UI_PORT=str(free_port()))
+        # Default 10 s partition leases: with the 1 s leases of the other tests, a machine this loaded (2 cores,
+        # every writer process and service on it) lost and reclaimed partitions over and over and stopped applying.
+        services[name] = ServiceProcess(
+            service, fresh_server.url, workdir, SESSIONLOG_UI_PORT=str(free_port()), SESSIONLOG_LEASE_TTL_S="10"
+        )
     lag: dict[str, list[float]] = {name: [] for name in services}
     loads: list[subprocess.Popen[bytes]] = []
     try:
@@ -104,7 +108,7 @@ async def test_concurrent_sessions_from_writer_processes_with_a_deriver_killed_m
                     health = await asyncio.to_thread(component, survivor, "context-deriver")
                     return health is not None and health["partitions"] == ALL
 
-                await eventually(survivor_owns_all, "the surviving deriver takes every partition over", 30)
+                await eventually(survivor_owns_all, "the surviving deriver takes every partition over", 90)
                 victim.start()
                 await victim.wait_ready(timeout=60)
 
@@ -115,7 +119,7 @@ async def test_concurrent_sessions_from_writer_processes_with_a_deriver_killed_m
                         return False
                     return bool(a["partitions"]) and sorted(a["partitions"] + b["partitions"]) == ALL
 
-                await eventually(shared_again, "the restarted deriver gets a share back, none owned twice", 60)
+                await eventually(shared_again, "the restarted deriver gets a share back, none owned twice", 120)
                 outputs = []
                 for proc in loads:
                     out, err = await asyncio.to_thread(proc.communicate, None, seconds + 120)

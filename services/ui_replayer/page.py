@@ -222,11 +222,14 @@ def render_transcript_page(transcript: Transcript, *, live: bool = True, at: int
 def render_session_list(sessions: Iterable[SessionInfo], *, titles: dict[str, str], query: str = "") -> str:
     rows = []
     for info in sessions:
-        flag = (
-            f'<span class="badge open-turn">turn {info.open_turn} open</span>'
-            if info.open_turn
-            else '<span class="badge closed">closed</span>'
-        )
+        if info.error:
+            code = info.error.split(":", 1)[0]
+            flag = f'<span class="badge corrupt" title="{_e(info.error)}">{_e(code)}</span>'
+        elif info.open_turn:
+            flag = f'<span class="badge open-turn">turn {info.open_turn} open</span>'
+        else:
+            flag = '<span class="badge closed">closed</span>'
+
         parent = f'<a href="{session_href(info.parent)}">{_e(info.parent)}</a>' if info.parent else ""
         title = titles.get(info.id, "")
         rows.append(

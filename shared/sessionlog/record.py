@@ -13,7 +13,8 @@ from typing import Final
 
 import msgspec
 
-from .errors import CorruptLog
+from .errors import CorruptLog, EventTooDeep
+from .events import MAX_EVENT_DEPTH, nests_deeper_than
 
 FORMAT: Final = "1"
 H_FORMAT: Final = "Sessionlog-Format"
@@ -144,6 +145,8 @@ def decode_record(stream_seq: int, subject: str, headers: Mapping[str, str] | No
     actual = digest(payload)
     if actual != expected_digest:
         raise CorruptLog(f"{where}: payload digest {actual[:12]}... does not match header {expected_digest[:12]}...")
+    if nests_deeper_than(payload, MAX_EVENT_DEPTH + 1):  # the array, then each event
+        raise EventTooDeep(f"{where}: an event nests more than {MAX_EVENT_DEPTH} levels of JSON objects and arrays")
     try:
         events = tuple(bytes(raw) for raw in _events_decoder.decode(payload))
     except msgspec.DecodeError as exc:

@@ -14,7 +14,7 @@ from typing import Final
 import msgspec
 
 from .errors import CorruptLog, EventTooDeep
-from .events import MAX_EVENT_DEPTH, nests_deeper_than
+from .events import MAX_EVENT_DEPTH
 
 FORMAT: Final = "1"
 H_FORMAT: Final = "Sessionlog-Format"
@@ -145,12 +145,16 @@ def decode_record(stream_seq: int, subject: str, headers: Mapping[str, str] | No
     actual = digest(payload)
     if actual != expected_digest:
         raise CorruptLog(f"{where}: payload digest {actual[:12]}... does not match header {expected_digest[:12]}...")
-    if nests_deeper_than(payload, MAX_EVENT_DEPTH + 1):  # the array, then each event
-        raise EventTooDeep(f"{where}: an event nests more than {MAX_EVENT_DEPTH} levels of JSON objects and arrays")
     try:
         events = tuple(bytes(raw) for raw in _events_decoder.decode(payload))
     except msgspec.DecodeError as exc:
         raise CorruptLog(f"{where}: payload is not a JSON array of events: {exc}") from None
+    except RecursionError:
+        # Splitting recurses into each event; one far past the limit meets Python's own first. Events within
+        # reach are checked one by one when decoded (events.check_depth), so no record pays for a scan here.
+        raise EventTooDeep(
+            f"{where}: an event nests more than {MAX_EVENT_DEPTH} levels of JSON objects and arrays"
+        ) from None
     if len(events) != count:
         raise CorruptLog(f"{where}: header says {count} events, payload holds {len(events)}")
     return Record(

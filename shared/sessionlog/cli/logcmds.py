@@ -76,11 +76,12 @@ def sessions(
             typer.echo(msgspec.json.encode(info).decode())
         return
     table = Table("session", "events", "open turn", "parent", "created", "error")
+    table.columns[-1].no_wrap = True
+    table.columns[-1].min_width = 18  # the longest code a listing shows (INVALID_SESSION_ID)
     for info in infos:
         events = "?" if info.error else str(info.events)  # a corrupt session: its last record did not read
-        table.add_row(
-            info.id, events, str(info.open_turn or ""), info.parent or "", _when(info.created_at), info.error or ""
-        )
+        code = info.error.split(":", 1)[0] if info.error else ""  # the whole message: --json, or quarantine check
+        table.add_row(info.id, events, str(info.open_turn or ""), info.parent or "", _when(info.created_at), code)
     Console().print(table)
 
 

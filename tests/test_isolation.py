@@ -210,6 +210,7 @@ async def test_a_deeply_nested_record_is_quarantined_by_every_projection_and_its
         for name in PROJECTIONS:
             component = report["components"][name]
             assert component["stalled"] == [] and component["quarantined"] >= 1, (name, component)
+            assert bad_seq in [q["stream_seq"] for q in component["quarantine"]], (name, component)
         # A restart meets the same record again: still quarantined, and still consuming.
     finally:
         await stack.stop()
@@ -377,7 +378,7 @@ async def test_the_repairer_starts_past_a_corrupt_session_and_still_repairs_the_
     own: tuple[EmbeddedServer, Harness], tmp_path: Path
 ) -> None:
     server, harness = own
-    await corrupt_sessions(server.url, harness)
+    _, garbage, foreign = await corrupt_sessions(server.url, harness)
     log = await harness.connect(server.url)
     dead = await harness.create(log)
     length = await open_turn(dead, [("c1", True)])
@@ -385,7 +386,9 @@ async def test_the_repairer_starts_past_a_corrupt_session_and_still_repairs_the_
     process = ServiceProcess("repairer", server.url, tmp_path, SESSIONLOG_REPAIR_GRACE_S=str(GRACE_S))
     try:
         process.start()
-        await process.wait_ready()
+        report = await process.wait_ready()
+        corrupt = report["components"]["repairer"]["corrupt"]
+        assert set(corrupt) == {garbage, foreign} and corrupt[garbage].startswith("CORRUPT_LOG"), corrupt
 
         async def closed() -> bool:
             events = await log.reader.events(dead.session_id)

@@ -423,7 +423,8 @@ def decode_event(raw: bytes, position: int) -> Event:
     `position` is where the event would stand in its log; it is the seq of an event without one and the seq
     named in errors. Raises `EventTooDeep`, `InvalidEvent` or `UnknownEventType`.
     """
-    check_depth(raw, position)
+    if raw.count(b"[") + raw.count(b"{") > MAX_EVENT_DEPTH:  # the cheap bound first: most events stop here
+        check_depth(raw, position)
     try:
         typed: Any = _core_decoder.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -449,33 +450,39 @@ def decode_event(raw: bytes, position: int) -> Event:
     )
 
 
-_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKET: Final = bytes(b for b in range(256) if b not in b"[]{}")
-_STEP: Final = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+_AS_SQUARE: Final = bytes.maketrans(b"{}", b"[]")  # for depth, an object is a pair like an array
 
 
 def nests_deeper_than(raw: bytes, limit: int) -> bool:
     """Whether JSON bytes nest more than `limit` objects and arrays, found without recursing.
 
     Counting brackets costs two C-level scans; only bytes with more brackets than the limit (strings included)
-    pay for removing their strings and walking the brackets that are left."""
+    pay for removing their strings, keeping the brackets, and taking off the innermost pairs once per level (each
+    pass removes every container that holds no other, so a value `d` deep is gone after `d` passes). Every step is
+    a C-level bytes operation."""
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return False
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKET)
-    if brackets.count(b"[") + brackets.count(b"{") <= limit:
-        return False
-    depth = 0
-    for byte in brackets:
-        depth += _STEP[byte]
-        if depth > limit:
-            return True
-    return False
+    # Escaped backslashes go first (pairs from the left, as JSON reads them), then escaped quotes: every quote
+    # left opens or closes a string, so the even pieces between quotes are what lies outside strings.
+    unescaped = raw
+    if b"\\\\" in unescaped:
+        unescaped = unescaped.replace(b"\\\\", b"")
+    if b'\\"' in unescaped:
+        unescaped = unescaped.replace(b'\\"', b"")
+    brackets = b"".join(unescaped.split(b'"')[::2]).translate(_AS_SQUARE, _NOT_BRACKET)
+    for _ in range(limit):
+        reduced = brackets.replace(b"[]", b"")  # finds pairs in the bytes as they were: one level per pass
+        if not reduced or len(reduced) == len(brackets):
+            return False  # all gone within the limit (or not JSON: the decoder says so)
+        brackets = reduced
+    return b"[]" in brackets
 
 
 def check_depth(raw: bytes, position: int) -> None:
     """Refuse an event whose JSON nests deeper than `MAX_EVENT_DEPTH` (`EVENT_TOO_DEEP`), before anything
     recurses into it."""
-    if nests_deeper_than(bytes(raw), MAX_EVENT_DEPTH):
+    if nests_deeper_than(raw, MAX_EVENT_DEPTH):
         raise EventTooDeep(
             f"event nests more than {MAX_EVENT_DEPTH} levels of JSON objects and arrays (the event and its "
             "`data` count as two); flatten it, or store deep content as a string or a blob",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -185,7 +184,7 @@ async def test_the_audit_shows_the_ledger_per_step_with_charts_whose_numbers_are
 async def test_fork_lineage_is_a_tree_and_repair_closers_are_marked_synthetic_in_every_view(
     ui: UIReplayerService, log: SessionLog, http: httpx.AsyncClient, page: Any
 ) -> None:
-    parent, child, seqs = await compacted_forked_interrupted(log)
+    parent, child, _ = await compacted_forked_interrupted(log)
     await eventually(lambda: _has_row(ui, child), "the child in the fleet index")
     lineage = (await http.get(f"/api/sessions/{child}/lineage")).json()
     assert lineage["parent"] == parent and lineage["ancestors"] == [parent]
@@ -197,8 +196,12 @@ async def test_fork_lineage_is_a_tree_and_repair_closers_are_marked_synthetic_in
     assert await page.locator(".lineage a.child").inner_text() == child
     await shot(page, "transcript-forked-repaired")
     # the model's view after the crash: the closer's result is there, marked synthetic
-    view = (await http.get(f"/api/sessions/{parent}/context", params={"at": len_of(await http.get(
-        f"/api/sessions/{parent}/requests")) - 1})).json()
+    view = (
+        await http.get(
+            f"/api/sessions/{parent}/context",
+            params={"at": len_of(await http.get(f"/api/sessions/{parent}/requests")) - 1},
+        )
+    ).json()
     synthetic = [m for m in view["messages"] if m.get("synthetic")]
     assert [m["synthetic"] for m in synthetic] == ["TOOL_OUTCOME_UNKNOWN"]
     await page.goto(f"{ui.url}/sessions/{parent}/context?at={synthetic[0]['seq']}")
@@ -221,9 +224,7 @@ async def test_a_dsh_session_that_dsh_repaired_shows_its_synthetic_result_in_the
 ) -> None:
     sid = await imported(log, CRASHED)
     view = (await http.get(f"/api/sessions/{sid}/context", params={"at": 7})).json()
-    assert [(m["seq"], m["synthetic"]) for m in view["messages"] if m.get("synthetic")] == [
-        (5, "TOOL_OUTCOME_UNKNOWN")
-    ]
+    assert [(m["seq"], m["synthetic"]) for m in view["messages"] if m.get("synthetic")] == [(5, "TOOL_OUTCOME_UNKNOWN")]
     page = (await http.get(f"/sessions/{sid}/context", params={"at": 7})).text
     assert 'class="msg role-user  synthetic"' in page or "badge synthetic" in page
 
@@ -231,7 +232,9 @@ async def test_a_dsh_session_that_dsh_repaired_shows_its_synthetic_result_in_the
 # ---------------------------------------------------------------------------------------------- raw exchanges
 
 
-async def publish_exchange(log: SessionLog, session_id: str, request_id: str, seq: int, request: bytes, response: bytes) -> None:
+async def publish_exchange(
+    log: SessionLog, session_id: str, request_id: str, seq: int, request: bytes, response: bytes
+) -> None:
     subject = raw_subject(session_id)
     common = {H_RAW_REQUEST_ID: request_id, H_RAW_SESSION_SEQ: str(seq), H_RAW_STATUS: "200"}
     await log.js.publish(subject, request, headers={**common, H_RAW_KIND: "request"})
@@ -309,9 +312,11 @@ async def test_the_overview_and_the_session_page_show_a_new_event_without_a_relo
         await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}})
         await writer.flush()
         await second.get_by_text("Second, live.", exact=True).wait_for(timeout=WAIT_MS)
-        await page.locator(f"#fleet-rows tr[data-id='{writer.session_id}'] .state").filter(
-            has_text="closed"
-        ).wait_for(timeout=WAIT_MS)
+        await (
+            page.locator(f"#fleet-rows tr[data-id='{writer.session_id}'] .state")
+            .filter(has_text="closed")
+            .wait_for(timeout=WAIT_MS)
+        )
         events = await page.locator(f"#fleet-rows tr[data-id='{writer.session_id}'] .events").inner_text()
         assert events == "4"
         await shot(page, "fleet")
@@ -347,10 +352,24 @@ async def test_markup_in_every_field_of_the_log_is_shown_as_text_on_every_page(
     await writer.emit("step/end", {"turn": 1, "step": 1})
     await writer.emit("step/start", {"turn": 1, "step": 2})
     # a message that differs from its chunks: the finding quotes the text
-    start = await writer.emit("assistant/chunk", {"turn": 1, "step": 2, "chunk": {"type": "block-start", "index": 0, "blockType": "text"}})
-    delta = await writer.emit("assistant/chunk", {"turn": 1, "step": 2, "chunk": {"type": "text-delta", "index": 0, "text": "B" + XSS_RAW}})
-    message = {"id": "a2", "role": "assistant", "content": [text_block("A" + XSS_RAW)], "source": {"kind": "model", "provider": XSS, "model": XSS}}
-    await writer.emit("assistant/message", {"turn": 1, "step": 2, "message": message}, surface_op="append", source_event_seqs=[start.seq, delta.seq])
+    start = await writer.emit(
+        "assistant/chunk", {"turn": 1, "step": 2, "chunk": {"type": "block-start", "index": 0, "blockType": "text"}}
+    )
+    delta = await writer.emit(
+        "assistant/chunk", {"turn": 1, "step": 2, "chunk": {"type": "text-delta", "index": 0, "text": "B" + XSS_RAW}}
+    )
+    message = {
+        "id": "a2",
+        "role": "assistant",
+        "content": [text_block("A" + XSS_RAW)],
+        "source": {"kind": "model", "provider": XSS, "model": XSS},
+    }
+    await writer.emit(
+        "assistant/message",
+        {"turn": 1, "step": 2, "message": message},
+        surface_op="append",
+        source_event_seqs=[start.seq, delta.seq],
+    )
     await writer.emit("step/end", {"turn": 1, "step": 2})
     await writer.emit("session/title", {"title": XSS})
     await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}})

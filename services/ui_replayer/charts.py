@@ -4,6 +4,7 @@ on a page sits beside a table (or a JSON endpoint) holding the same numbers."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from html import escape
 from typing import Final
@@ -30,14 +31,14 @@ def compact(value: float) -> str:
     if abs(value) >= 1000:
         return f"{value / 1000:.1f}k"
     if value != int(value):
-        return f"{value:.3g}"
+        return f"{value:.3g}" if abs(value) >= 1 else (f"{value:.6f}".rstrip("0") or "0")
     return str(int(value))
 
 
 def _nice_max(value: float) -> float:
     if value <= 0:
         return 1.0
-    magnitude = 10.0 ** (len(str(int(value))) - 1)
+    magnitude = 10.0 ** math.floor(math.log10(value))
     for step in (1.0, 2.0, 2.5, 5.0, 10.0):
         if value <= step * magnitude:
             return step * magnitude
@@ -148,6 +149,7 @@ def line_chart(
                     )
     parts.append(f'<text x="{W - PAD_R}" y="{H - 8}" class="tick" text-anchor="end">{_e(x_label)}</text>')
     parts.append(f'<text x="{PAD_L}" y="{H - 8}" class="tick">{_e(compact(lo))}</text>')
+    parts.append(f'<text x="{W - PAD_R - 30}" y="{H - 8}" class="tick" text-anchor="end">{_e(compact(hi))}</text>')
     legend = [(name, f"c{k % len(PALETTE)}") for k, (name, _) in enumerate(series)]
     if marks:
         legend.append(("compaction", "cm"))

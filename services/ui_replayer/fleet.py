@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -273,7 +274,7 @@ class DeploymentHealth:
         samples = list(self.samples)
         codes = sorted({c for _, counts in samples for c in counts})
         intervals = []
-        for (_, before), (t, after) in zip(samples, samples[1:], strict=False):
+        for (_, before), (t, after) in itertools.pairwise(samples):
             intervals.append({"time": int(t * 1000), "by_code": {c: after.get(c, 0) - before.get(c, 0) for c in codes}})
         totals = samples[-1][1] if samples else {}
         return {"codes": codes, "intervals": intervals, "totals": totals, "every_s": REFUSAL_SAMPLE_S}

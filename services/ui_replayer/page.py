@@ -221,9 +221,13 @@ def _state_badge(open_turn: int | None) -> str:
 def _num(value: int | float | None) -> str:
     if value is None:
         return '<span class="muted">—</span>'
-    if isinstance(value, float):
-        return f"{value:,.4f}"
+    if isinstance(value, float):  # money: enough digits that a small session's cost is not 0.0000
+        return f"{value:,.2f}" if value >= 1 else f"{value:.6f}".rstrip("0").rstrip(".") or "0"
     return f"{value:,}"
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
 
 def _lineage(ctx: SessionContext) -> str:
@@ -254,8 +258,8 @@ def _timeline(ctx: SessionContext) -> str:
     marks = [(c["seq"], f"compaction at seq {c['seq']}: replaced {c['start']}-{c['end']}") for c in ctx.compactions]
     current = ctx.at if ctx.tab == "context" else None
     legend = (
-        f'<div class="timeline-legend"><span><i class="dot"></i>{len(ctx.requests)} requests</span>'
-        f'<span><i class="cbar"></i>{len(ctx.compactions)} compactions</span>'
+        f'<div class="timeline-legend"><span><i class="dot"></i>{_plural(len(ctx.requests), "request")}</span>'
+        f'<span><i class="cbar"></i>{_plural(len(ctx.compactions), "compaction")}</span>'
         f'<span class="muted">seq 0 … {max(0, ctx.events - 1)}</span></div>'
     )
     return (
@@ -280,7 +284,6 @@ def _session_top(ctx: SessionContext, *, fork_banner: str = "") -> str:
         f"{ctx.events:,} events",
         _state_badge(ctx.open_turn),
         holder,
-        '<span id="live-status" class="live-status"></span>',
     ]
     if cwd:
         facts.append(f'<span class="cwd" title="working directory">{_e(cwd)}</span>')
@@ -297,7 +300,8 @@ def _session_top(ctx: SessionContext, *, fork_banner: str = "") -> str:
         "JSON</a></span>"
     )
     return (
-        f'<header class="top"><h1>{_e(title)}</h1><div class="sub">{" · ".join(facts)}</div>{fork_banner}</header>'
+        f'<header class="top"><h1>{_e(title)}</h1><div class="sub">{" · ".join(facts)}'
+        f'<span id="live-status" class="live-status"></span></div>{fork_banner}</header>'
         f'<div class="layout"><div class="content"><nav class="tabs">{tabs}</nav>{_timeline(ctx)}'
     )
 
@@ -350,7 +354,7 @@ def render_transcript_page(
     parts.append("</main>")
     parts.append(_session_bottom(ctx))
     attrs = f' data-session="{_e(sid)}" data-next-seq="{transcript.next_seq}" data-live="{"1" if live else "0"}"'
-    return _page(title, "".join(parts), body_attrs=attrs)
+    return _page(title, "".join(parts), body_attrs=attrs, wide=True)
 
 
 # ---------------------------------------------------------------------------------------------- the model's view
@@ -414,8 +418,8 @@ def _request_list(ctx: SessionContext, at: int) -> str:
         else ""
     )
     return (
-        '<table class="grid requests"><thead><tr><th>step</th><th>first chunk</th><th>messages</th>'
-        f"<th>input tokens</th><th>model</th></tr></thead><tbody>{''.join(rows)}</tbody></table>{more}"
+        '<table class="grid requests"><thead><tr><th>step</th><th class=num>first chunk</th><th class=num>messages</th>'
+        f"<th class=num>input tokens</th><th>model</th></tr></thead><tbody>{''.join(rows)}</tbody></table>{more}"
     )
 
 
@@ -452,7 +456,10 @@ def render_context_page(view: dict[str, Any], ctx: SessionContext) -> str:
                 + (f'<div class="muted small">replaced by #{r["replaced_by"]}</div>' if r.get("replaced_by") else "")
                 for r in removed
             )
-            diff += f'<details class="removed-list"><summary>show the {len(removed)} messages taken off</summary>{taken}</details>'
+            diff += (
+                f'<details class="removed-list"><summary>show the {len(removed)} messages taken off</summary>'
+                f"{taken}</details>"
+            )
     cards: list[str] = []
     for item in view["messages"]:
         if "replaces" in item:
@@ -465,7 +472,10 @@ def render_context_page(view: dict[str, Any], ctx: SessionContext) -> str:
         sys_text = body.get("system")
         tools = body.get("tools")
         if sys_text:
-            system = f'<details class="system"><summary>system prompt</summary><pre class="body">{_e(sys_text)}</pre></details>'
+            system = (
+                '<details class="system"><summary>system prompt</summary>'
+                f'<pre class="body">{_e(sys_text)}</pre></details>'
+            )
         if isinstance(tools, list) and tools:
             names = ", ".join(str(t.get("name", "?")) if isinstance(t, dict) else "?" for t in tools)
             system += f'<div class="muted small">tools: {_e(names)}</div>'
@@ -475,7 +485,8 @@ def render_context_page(view: dict[str, Any], ctx: SessionContext) -> str:
         + diff
         + system
         + "</section>"
-        + f'<div class="two"><main id="context" class="messages">{"".join(cards) or "<p class=empty>No messages.</p>"}</main>'
+        + '<div class="two">'
+        + f'<main id="context" class="messages">{"".join(cards) or "<p class=empty>No messages.</p>"}</main>'
         + f'<aside class="picker"><h3>Requests</h3>{_request_list(ctx, at)}</aside></div>'
         + _session_bottom(ctx)
     )
@@ -536,9 +547,9 @@ def render_audit_page(body: dict[str, Any], ctx: SessionContext) -> str:
     marks = [(c["seq"], f"compaction at seq {c['seq']}") for c in body["compactions"]]
     charts.append(
         line_chart(
-            "context size per request (compactions are the drops)",
+            "context size per request, in messages (compactions are the drops)",
             xs,
-            [("messages", [p["messages"] for p in points]), ("input tokens", [p["input_tokens"] for p in points])],
+            [("messages", [p["messages"] for p in points])],
             marks=marks,
         )
     )
@@ -557,8 +568,10 @@ def render_audit_page(body: dict[str, Any], ctx: SessionContext) -> str:
             f'<td class="num">{_num(s["output_tokens"])}</td><td>{_e(s["finish"] or "")}</td><td>{codes}</td></tr>'
         )
     step_table = (
-        '<table class="grid steps"><thead><tr><th>step</th><th>attempts</th><th>first chunk</th><th>model</th>'
-        "<th>context msgs</th><th>input</th><th>output</th><th>finish</th><th>findings</th></tr></thead>"
+        '<table class="grid steps"><thead><tr><th>step</th><th class=num>attempts</th>'
+        "<th class=num>first chunk</th><th>model</th>"
+        "<th class=num>context msgs</th><th class=num>input</th><th class=num>output</th><th>finish</th>"
+        "<th>findings</th></tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>"
     )
     turn_rows = "".join(
@@ -567,8 +580,9 @@ def render_audit_page(body: dict[str, Any], ctx: SessionContext) -> str:
         for t in body["turns"]
     )
     turn_table = (
-        '<table class="grid turns"><thead><tr><th>turn</th><th>steps</th><th>input</th><th>output</th>'
-        f"<th>findings</th></tr></thead><tbody>{turn_rows}</tbody></table>"
+        '<table class="grid turns"><thead><tr><th>turn</th><th class=num>steps</th><th class=num>input</th>'
+        "<th class=num>output</th>"
+        f"<th class=num>findings</th></tr></thead><tbody>{turn_rows}</tbody></table>"
     )
     by_model = "".join(
         f'<tr><td>{_e(m["provider"])}</td><td class="model">{_e(m["model"])}</td>'
@@ -577,18 +591,22 @@ def render_audit_page(body: dict[str, Any], ctx: SessionContext) -> str:
         for m in body["ledger"]["by_model"]
     )
     model_table = (
-        '<table class="grid models"><thead><tr><th>provider</th><th>model</th><th>requests</th><th>input</th>'
-        f"<th>output</th></tr></thead><tbody>{by_model}</tbody></table>"
+        '<table class="grid models"><thead><tr><th>provider</th><th>model</th><th class=num>requests</th>'
+        "<th class=num>input</th>"
+        f"<th class=num>output</th></tr></thead><tbody>{by_model}</tbody></table>"
     )
     raw = f"{body['raw_matched']} of {body['raw_exchanges']} raw exchanges compared with the log"
     html_body = (
         _session_top(ctx)
         + f'<section class="tiles">{tiles}</section>'
-        + f'<section><h2>Findings</h2>{_finding_list(body["findings"])}<div class="muted small">{_e(raw)}</div></section>'
+        + f'<section><h2>Findings</h2>{_finding_list(body["findings"])}<div class="muted small">{_e(raw)}</div>'
+        + "</section>"
         + f'<section class="charts">{"".join(charts)}</section>'
         + '<section><h2>Per step</h2><div class="muted small">each chart\'s numbers: this table, and '
-        + f'<a href="/api/sessions/{quote(ctx.session_id, safe="")}/audit">the audit JSON</a></div>{step_table}</section>'
-        + f'<section class="cols"><div><h2>Per turn</h2>{turn_table}</div><div><h2>Per model</h2>{model_table}</div></section>'
+        + f'<a href="/api/sessions/{quote(ctx.session_id, safe="")}/audit">the audit JSON</a>'
+        + f"</div>{step_table}</section>"
+        + f'<section class="cols"><div><h2>Per turn</h2>{turn_table}</div><div>'
+        + f"<h2>Per model</h2>{model_table}</div></section>"
         + _session_bottom(ctx)
     )
     return _page(f"audit · {ctx.title or ctx.session_id}", html_body, wide=True)
@@ -661,7 +679,8 @@ def _health_panel(health: dict[str, Any]) -> str:
         )
         blocks.append(
             f'<details class="projection" open><summary>{_e(projection["projection"])}</summary>'
-            '<table class="grid compact"><thead><tr><th>p</th><th>owner</th><th>applied</th><th>lag</th></tr></thead>'
+            '<table class="grid compact"><thead><tr><th class=num>p</th><th>owner</th>'
+            "<th class=num>applied</th><th class=num>lag</th></tr></thead>"
             f"<tbody>{rows}</tbody></table></details>"
         )
     if not blocks:
@@ -696,7 +715,8 @@ def _health_panel(health: dict[str, Any]) -> str:
         for c, v in sorted(refusals["totals"].items())
     )
     total_table = (
-        f'<table class="grid compact"><thead><tr><th>code</th><th>total</th></tr></thead><tbody>{totals}</tbody></table>'
+        '<table class="grid compact"><thead><tr><th>code</th><th class=num>total</th></tr></thead>'
+        f"<tbody>{totals}</tbody></table>"
         if totals
         else ""
     )
@@ -712,11 +732,12 @@ def render_fleet_page(fleet: dict[str, Any], health: dict[str, Any]) -> str:
     state = fleet["state"]
     rows = "".join(fleet_row(r) for r in fleet["rows"])
     table = (
-        '<table class="sessions grid"><thead><tr><th>session</th><th>state</th><th>writer</th><th>events</th>'
-        "<th>last activity</th><th>tokens</th><th>findings</th><th>parent</th><th>cwd</th></tr></thead>"
+        '<table class="sessions grid"><thead><tr><th>session</th><th>state</th><th>writer</th><th class=num>events</th>'
+        "<th>last activity</th><th class=num>tokens</th><th>findings</th><th>parent</th><th>cwd</th></tr></thead>"
         f'<tbody id="fleet-rows">{rows}</tbody></table>'
         if rows
-        else '<p class="empty">No sessions match.</p><table class="sessions grid hidden"><tbody id="fleet-rows"></tbody></table>'
+        else '<p class="empty">No sessions match.</p>'
+        '<table class="sessions grid hidden"><tbody id="fleet-rows"></tbody></table>'
     )
     options = "".join(
         f'<option value="{v}"{" selected" if state == v else ""}>{label}</option>'

@@ -9,6 +9,7 @@ the model got is the prefix ending just before it (SPEC section 6's theorem), `a
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -301,10 +302,8 @@ def audit_view(
 
 def _text(body: bytes, limit: int | None) -> str:
     text = body.decode("utf-8", "replace")
-    try:
+    with contextlib.suppress(msgspec.DecodeError):  # an SSE stream, or not JSON at all: shown as it came
         text = msgspec.json.format(body, indent=2).decode("utf-8", "replace")
-    except msgspec.DecodeError:
-        pass  # an SSE stream or not JSON at all: shown as it came
     if limit is not None and len(text) > limit:
         return text[:limit] + f"\n… ({len(text) - limit} more characters in the JSON endpoint)"
     return text

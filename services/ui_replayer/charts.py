@@ -16,6 +16,8 @@ PAD_L: Final = 52
 PAD_R: Final = 12
 PAD_T: Final = 12
 PAD_B: Final = 28
+MAX_BARS: Final = 160
+MAX_TICKS: Final = 400
 
 
 def _e(text: object) -> str:
@@ -67,7 +69,13 @@ def _frame(title: str, top: float, body: str, legend: Sequence[tuple[str, str]],
 def bar_chart(
     title: str, labels: Sequence[str], series: Sequence[tuple[str, Sequence[float]]], *, css: str = ""
 ) -> str:
-    """Stacked bars, one per label; `series` is (name, values) with one value per label."""
+    """Stacked bars, one per label; `series` is (name, values) with one value per label. More than `MAX_BARS`
+    labels are summed in runs of consecutive labels (a bar then reads "first–last")."""
+    if len(labels) > MAX_BARS:
+        size = -(-len(labels) // MAX_BARS)
+        runs = range(0, len(labels), size)
+        labels = [f"{labels[i]}–{labels[min(i + size, len(labels)) - 1]}" for i in runs]
+        series = [(name, [sum(values[i : i + size]) for i in runs]) for name, values in series]
     n = max(1, len(labels))
     totals = [sum(values[i] for _, values in series) for i in range(len(labels))]
     top = _nice_max(max(totals, default=0))
@@ -163,8 +171,8 @@ def timeline_strip(
     *,
     current: int | None = None,
 ) -> str:
-    """The session's seq axis: a tick per request (at, label, link) and a mark per compaction (seq, label); the
-    request the page shows is highlighted."""
+    """The session's seq axis: a tick per request (at, label, link; at most `MAX_TICKS`, evenly picked) and a mark
+    per compaction (seq, label); the request the page shows is highlighted."""
     width = 1000
     height = 34
     span = max(1, length - 1)
@@ -178,7 +186,10 @@ def timeline_strip(
             f'<rect x="{px(seq) - 2:.1f}" y="6" width="4" height="24" class="compaction-mark">'
             f"<title>{_e(label)}</title></rect>"
         )
-    for at, label, href in requests:
+    step = max(1, -(-len(requests) // MAX_TICKS))  # a long session: every k-th request, and the current one
+    for index, (at, label, href) in enumerate(requests):
+        if index % step and at != current:
+            continue
         cls = "req current" if at == current else "req"
         parts.append(
             f'<a href="{_e(href)}"><circle cx="{px(at):.1f}" cy="20" r="{6 if at == current else 4}" class="{cls}">'

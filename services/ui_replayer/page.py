@@ -177,6 +177,7 @@ def render_entry(entry: Entry) -> str:
 # ---------------------------------------------------------------------------------------------- pages
 
 PAGE_ENTRIES: Final = 400  # transcript entries on one page of the timeline
+STEPS_SHOWN: Final = 300  # rows of the audit's step table (the JSON has them all)
 REQUESTS_SHOWN: Final = 60  # requests listed around the one the model's view shows
 TABS: Final = (("transcript", "Transcript", ""), ("context", "Model's view", "/context"), ("audit", "Audit", "/audit"))
 
@@ -423,6 +424,23 @@ def _request_list(ctx: SessionContext, at: int) -> str:
     )
 
 
+def _context_pager(view: dict[str, Any], ctx: SessionContext) -> str:
+    total, start, shown = view["total"], view["start"], len(view["messages"])
+    if shown >= total:
+        return ""
+    base = f"{session_href(ctx.session_id)}/context?at={view['at']}"
+    links = []
+    if start > 0:
+        links.append(f'<a class="earlier" href="{base}&amp;from={max(0, start - shown)}">← earlier messages</a>')
+    links.append(f'<span class="muted">messages {start + 1:,}–{start + shown:,} of {total:,}</span>')
+    if start + shown < total:
+        links.append(f'<a class="later" href="{base}&amp;from={start + shown}">later messages →</a>')
+    jumps = "".join(f'<a href="{base}&amp;from={c["index"]}">summary #{c["seq"]}</a>' for c in view["compactions"][:20])
+    if jumps:
+        links.append(f'<span class="muted">compactions in this view:</span> {jumps}')
+    return f'<div class="pager">{"".join(links)}</div>'
+
+
 def render_context_page(view: dict[str, Any], ctx: SessionContext) -> str:
     at = view["at"]
     previous = view.get("previous")
@@ -434,7 +452,7 @@ def render_context_page(view: dict[str, Any], ctx: SessionContext) -> str:
         if request
         else f"the log up to seq {at}"
     )
-    facts = [f"<b>{len(view['messages'])}</b> messages"]
+    facts = [f"<b>{view['total']:,}</b> messages"]
     if header:
         facts.append(
             f'model <b class="model">{_e(header["model"])}</b> via {_e(header["provider"])} '
@@ -460,6 +478,7 @@ def render_context_page(view: dict[str, Any], ctx: SessionContext) -> str:
                 f'<details class="removed-list"><summary>show the {len(removed)} messages taken off</summary>'
                 f"{taken}</details>"
             )
+    pager = _context_pager(view, ctx)
     cards: list[str] = []
     for item in view["messages"]:
         if "replaces" in item:
@@ -486,7 +505,8 @@ def render_context_page(view: dict[str, Any], ctx: SessionContext) -> str:
         + system
         + "</section>"
         + '<div class="two">'
-        + f'<main id="context" class="messages">{"".join(cards) or "<p class=empty>No messages.</p>"}</main>'
+        + f'<main id="context" class="messages">{pager}{"".join(cards) or "<p class=empty>No messages.</p>"}'
+        + f"{pager}</main>"
         + f'<aside class="picker"><h3>Requests</h3>{_request_list(ctx, at)}</aside></div>'
         + _session_bottom(ctx)
     )
@@ -514,6 +534,10 @@ def _where(f: dict[str, Any]) -> str:
     if f.get("seq") is not None:
         parts.append(f"seq {f['seq']}")
     return ", ".join(parts)
+
+
+def _steps_note(count: int) -> str:
+    return f"the last {STEPS_SHOWN} of {count:,} steps; " if count > STEPS_SHOWN else ""
 
 
 def render_audit_page(body: dict[str, Any], ctx: SessionContext) -> str:
@@ -558,7 +582,8 @@ def render_audit_page(body: dict[str, Any], ctx: SessionContext) -> str:
             line_chart("cumulative cost (USD)", xs, [("cost", [p["cumulative_cost_usd"] for p in points])], marks=marks)
         )
     rows = []
-    for s in steps:
+    shown_steps = steps[-STEPS_SHOWN:]
+    for s in shown_steps:
         bad = " bad" if s["findings"] else ""
         codes = "".join(f'<span class="badge error">{_e(f["code"])}</span> ' for f in s["findings"])
         rows.append(
@@ -602,7 +627,8 @@ def render_audit_page(body: dict[str, Any], ctx: SessionContext) -> str:
         + f'<section><h2>Findings</h2>{_finding_list(body["findings"])}<div class="muted small">{_e(raw)}</div>'
         + "</section>"
         + f'<section class="charts">{"".join(charts)}</section>'
-        + '<section><h2>Per step</h2><div class="muted small">each chart\'s numbers: this table, and '
+        + f'<section><h2>Per step</h2><div class="muted small">{_steps_note(len(steps))}each chart\'s numbers: '
+        + "this table, and "
         + f'<a href="/api/sessions/{quote(ctx.session_id, safe="")}/audit">the audit JSON</a>'
         + f"</div>{step_table}</section>"
         + f'<section class="cols"><div><h2>Per turn</h2>{turn_table}</div><div>'

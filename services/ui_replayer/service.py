@@ -58,6 +58,7 @@ log = logging.getLogger("sessionlog.ui_replayer")
 KEEPALIVE_S: Final = 15.0
 LISTENER_QUEUE: Final = 1024  # record batches a slow page may fall behind by before it is resynchronised
 MAX_HEADERS: Final = 10_000
+CONTEXT_PAGE: Final = 250  # messages of the model's view on one page (the newest, unless `from` says otherwise)
 
 _encoder: Final = msgspec.json.Encoder()
 
@@ -313,7 +314,9 @@ class UIReplayerService(ProjectionService[UIState]):
             raise InvalidBoundary(f"at {at} is past the end of the session ({len(state.session)} events)")
         return at
 
-    async def context_view(self, session_id: str, at: int | None) -> tuple[UIState, dict[str, Any]]:
+    async def context_view(
+        self, session_id: str, at: int | None, *, start: int | None = 0, limit: int | None = None
+    ) -> tuple[UIState, dict[str, Any]]:
         await self.header(session_id)
         state = await self._state(session_id)
         requests = state.requests()
@@ -321,7 +324,9 @@ class UIReplayerService(ProjectionService[UIState]):
             at = requests[-1].at if requests else max(0, len(state.session) - 1)
         if at >= len(state.session):
             raise InvalidBoundary(f"at {at} is past the end of session {session_id} ({len(state.session)} events)")
-        view = views.context_view(state.session, at, requests) if len(state.session) else {"at": 0, "messages": []}
+        if not len(state.session):
+            return state, {"at": 0, "total": 0, "start": 0, "messages": [], "compactions": [], "previous": None}
+        view = views.context_view(state.session, at, requests, start=start, limit=limit)
         return state, view
 
     async def _raw_exchanges(self, session_id: str) -> list[Any]:
@@ -463,12 +468,19 @@ class UIReplayerService(ProjectionService[UIState]):
 
     async def _context_page(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]
-        state, view = await self.context_view(session_id, _int_param(request, "at"))
+        state, view = await self.context_view(
+            session_id, _int_param(request, "at"), start=_int_param(request, "from"), limit=CONTEXT_PAGE
+        )
         context = await self._context(session_id, "context", state, view["at"])
         return HTMLResponse(render_context_page(view, context), headers=SECURITY_HEADERS)
 
     async def _api_context(self, request: Request) -> Response:
-        _, view = await self.context_view(request.path_params["session_id"], _int_param(request, "at"))
+        _, view = await self.context_view(
+            request.path_params["session_id"],
+            _int_param(request, "at"),
+            start=_int_param(request, "from") or 0,
+            limit=_int_param(request, "limit"),
+        )
         return self._json(view)
 
     async def _audit_page(self, request: Request) -> Response:

@@ -149,13 +149,24 @@ def previous_request(requests: Sequence[Request], at: int) -> Request | None:
     return requests[index - 1] if index > 0 else None
 
 
-def context_view(session: Session, at: int, requests: Sequence[Request]) -> dict[str, Any]:
+def context_view(
+    session: Session, at: int, requests: Sequence[Request], *, start: int | None = 0, limit: int | None = None
+) -> dict[str, Any]:
     """What the model was given at `at`: the derived messages (a compaction with what it replaced), the folded
-    request header, and the difference from the previous request (messages added, messages taken off)."""
+    request header, and the difference from the previous request (messages added, messages taken off).
+
+    `start`/`limit` window the messages shown (a request may carry thousands; `start=None` is the last `limit`);
+    counts, the diff and the list of compactions in force always cover the whole request."""
     messages = session.derive_at(at)
     header = session.fold_request_header_at(at)
     previous = previous_request(requests, at)
     current = [m.seq for m in messages]
+    total = len(messages)
+    if start is None:
+        start = max(0, total - limit) if limit is not None else 0
+    start = min(max(0, start), total)
+    stop = total if limit is None else min(total, start + limit)
+    window = messages[start:stop]
     view: dict[str, Any] = {
         "at": at,
         "request": next((_request_dict(r) for r in requests if r.at == at), None),
@@ -168,7 +179,10 @@ def context_view(session: Session, at: int, requests: Sequence[Request]) -> dict
             "model": header.header.config.model,
             "header": msgspec.json.decode(header.raw),
         },
-        "messages": [_message_item(session, m) for m in messages],
+        "total": total,
+        "start": start,
+        "compactions": [{"index": i, "seq": m.seq} for i, m in enumerate(messages) if session[m.seq].is_replace],
+        "messages": [_message_item(session, m) for m in window],
         "previous": None,
     }
     if previous is not None:
@@ -177,9 +191,11 @@ def context_view(session: Session, at: int, requests: Sequence[Request]) -> dict
         then = set(before)
         removed = [s for s in before if s not in now]
         replaced_by: dict[int, int] = {}
-        for item in view["messages"]:
-            for source in item.get("replaces", {}).get("source_event_seqs", ()):
-                replaced_by[source] = item["seq"]
+        for seq in current:
+            event = session[seq]
+            if event.is_replace and isinstance(event.source_event_seqs, list):
+                for source in event.source_event_seqs:
+                    replaced_by[source] = seq
         view["previous"] = {
             "at": previous.at,
             "request": _request_dict(previous),

@@ -84,13 +84,31 @@ class FleetIndex:
     _order: list[SessionRow] | None = None
     _changed: set[str] = field(default_factory=set)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _headers_read: asyncio.Event = field(default_factory=asyncio.Event)
+    _records_target: int | None = None  # the stream's last seq when the index started
+    _records_read: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def start(self) -> None:
+        try:
+            info = await self.log.js.stream_info(self.log.settings.stream)
+            self._records_target = info.state.last_seq
+        except Exception:  # the feed will still follow; the first pages may just be behind
+            self._records_target = 0
+        if not self._records_target:
+            self._records_read.set()
         self._tasks = [
             asyncio.create_task(self._follow_headers(), name="ui-fleet-headers"),
             asyncio.create_task(self._follow_records(), name="ui-fleet-records"),
             asyncio.create_task(self._publish_loop(), name="ui-fleet-publish"),
         ]
+
+    async def caught_up(self, timeout: float) -> bool:
+        """Until every header and every record stored when the index started have been read (bounded)."""
+        try:
+            await asyncio.wait_for(asyncio.gather(self._headers_read.wait(), self._records_read.wait()), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -139,11 +157,15 @@ class FleetIndex:
 
     async def _follow_headers(self) -> None:
         while True:
+            watcher = None
             try:
                 kv = await self.log.js.key_value(self.log.settings.kv_sessions)
                 watcher = await kv.watchall()
                 async for entry in watcher:
-                    if entry is None or entry.value is None or entry.operation in ("DEL", "PURGE"):
+                    if entry is None:  # the end of the values stored at the start
+                        self._headers_read.set()
+                        continue
+                    if entry.value is None or entry.operation in ("DEL", "PURGE"):
                         continue
                     self.take_header(entry.key, entry.value)
             except asyncio.CancelledError:
@@ -151,6 +173,10 @@ class FleetIndex:
             except Exception as err:  # keep following across reconnects
                 log.warning("ui-replayer: session headers feed interrupted: %s", err)
                 await asyncio.sleep(FEED_RETRY_S)
+            finally:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()  # type: ignore[no-untyped-call]
 
     async def _follow_records(self) -> None:
         while True:
@@ -173,6 +199,8 @@ class FleetIndex:
                     stored = meta.timestamp
                     stored_ms = int(stored.timestamp() * 1000) if stored is not None else None
                     self.take_record(msg.subject, dict(msg.headers or {}), meta.sequence.stream, stored_ms)
+                    if self._records_target is not None and meta.sequence.stream >= self._records_target:
+                        self._records_read.set()
             except asyncio.CancelledError:
                 raise
             except Exception as err:

@@ -58,6 +58,7 @@ log = logging.getLogger("sessionlog.ui_replayer")
 KEEPALIVE_S: Final = 15.0
 LISTENER_QUEUE: Final = 1024  # record batches a slow page may fall behind by before it is resynchronised
 MAX_HEADERS: Final = 10_000
+FLEET_CATCH_UP_S: Final = 10.0  # a start waits this long for the fleet index to read what the log holds
 CONTEXT_PAGE: Final = 250  # messages of the model's view on one page (the newest, unless `from` says otherwise)
 
 _encoder: Final = msgspec.json.Encoder()
@@ -185,6 +186,8 @@ class UIReplayerService(ProjectionService[UIState]):
         await super()._start()
         await self.fleet.start()
         await self.deployment.start()
+        if not await self.fleet.caught_up(FLEET_CATCH_UP_S):
+            log.warning("ui-replayer: the fleet index is still reading the log; the overview fills in as it does")
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it every
         # response (headers and body are two writes) waits ~40 ms for the client's delayed ACK.

@@ -18,8 +18,9 @@ import pytest_asyncio
 from conftest import FIXTURES_DIR, REPO_ROOT
 from natsfixtures import new_session_id
 from scaffold import WAIT_S, eventually, serving
-from sessiongen import text_block, tool_call_block, user_message_data
+from sessiongen import closed_turn, text_block, tool_call_block, user_message_data
 from test_fixtures_corpus import read_fixture
+from test_runner import publish_raw
 from test_ui_browser import LAUNCH_ARGS, answer, compacted_forked_interrupted
 
 from services.ui_replayer.service import UIReplayerService
@@ -390,3 +391,57 @@ async def test_markup_in_every_field_of_the_log_is_shown_as_text_on_every_page(
     assert XSS in await page.locator(".view-head .model").inner_text()
     await page.goto(f"{ui.url}/?q={sid}")
     assert XSS in await page.locator(f"tr[data-id='{sid}'] .cwd").inner_text()
+
+
+# ---------------------------------------------------------------------------------------------- fleet, health
+
+
+async def test_the_overview_pages_filters_and_shows_each_projections_partitions_and_quarantined_records(
+    ui: UIReplayerService, log: SessionLog, http: httpx.AsyncClient, page: Any
+) -> None:
+    tag = new_session_id("pg")
+    for i in range(57):
+        writer = await log.create(f"{tag}-{i:02d}", cwd=f"/srv/{tag}")
+        await closed_turn(writer, f"hello {i}")
+        await writer.close()
+    opened = await log.create(f"{tag}-open", cwd=f"/srv/{tag}")
+    await opened.emit("turn/start", {"turn": 1})
+    await opened.flush()
+    try:
+        await eventually(lambda: _rows_with(ui, tag, 58), "58 sessions in the fleet index")
+        first = (await http.get("/api/fleet", params={"q": f"/srv/{tag}"})).json()
+        assert (first["total"], first["pages"], len(first["rows"])) == (58, 2, 50)
+        assert first["rows"][0]["id"] == f"{tag}-open"  # most recent activity first
+        second = (await http.get("/api/fleet", params={"q": f"/srv/{tag}", "page": 2})).json()
+        ids = [r["id"] for r in first["rows"] + second["rows"]]
+        assert len(set(ids)) == 58
+        only_open = (await http.get("/api/fleet", params={"q": tag, "state": "open"})).json()
+        assert [(r["id"], r["open_turn"], r["lease_holder"] is not None) for r in only_open["rows"]] == [
+            (f"{tag}-open", 1, True)
+        ]
+        closed = (await http.get("/api/sessions", params={"q": tag, "state": "closed", "page": 2})).json()
+        assert len(closed) == 7 and all(r["open_turn"] is None and r["events"] == 6 for r in closed)
+        # a record the projection refuses: quarantined, and the health panel lists it
+        junk = new_session_id("junk")
+        stream_seq = await publish_raw(log, junk, b"not a record", None)
+        await eventually(lambda: _quarantined(http, stream_seq), "the quarantined record in the health JSON")
+        health = (await http.get("/api/health")).json()
+        (mine,) = [p for p in health["projections"] if p["projection"] == "ui-replayer"]
+        assert [p["partition"] for p in mine["partitions"]] == list(range(log.settings.partition_count))
+        assert {p["owner"] for p in mine["partitions"] if p["applied"]} == {ui.runner.replica_id}
+        await page.goto(f"{ui.url}/?q=/srv/{tag}")
+        assert await page.locator("#fleet-rows tr").count() == 50
+        assert "page 1 of 2" in await page.locator(".pager").inner_text()
+        assert str(stream_seq) in await page.locator("ul.quarantine").inner_text()
+        await shot(page, "fleet-paged")
+    finally:
+        await opened.close()
+
+
+async def _rows_with(ui: UIReplayerService, tag: str, count: int) -> bool:
+    return sum(1 for r in ui.fleet.rows.values() if r.id.startswith(tag) and r.events) >= count
+
+
+async def _quarantined(http: httpx.AsyncClient, stream_seq: int) -> bool:
+    ui_health = (await http.get("/api/health")).json()
+    return any(q.get("stream_seq") == stream_seq for q in ui_health["quarantined"])

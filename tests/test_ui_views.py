@@ -149,6 +149,8 @@ async def test_the_models_view_shows_the_shadowed_message_before_the_compaction_
     assert await page.locator("svg.timeline .compaction-mark").count() == 1
     await inert(page)
     await shot(page, "context-after-compaction")
+    await page.set_viewport_size({"width": 1280, "height": 800})
+    await page.screenshot(path=str(SCREENSHOTS / "readme-models-view.png"))  # the one docs/ shows, one screen
     # the transcript still shows the message the model no longer sees, and a marker where it was summarised
     await page.goto(f"{ui.url}/sessions/{sid}")
     assert await page.locator("#transcript #e5").count() == 1

@@ -394,7 +394,8 @@ def _compaction_card(item: dict[str, Any], *, added: bool) -> str:
         f'<span class="muted">(sourceEventSeqs {_e(sources)})</span></div>'
         '<div class="side-by-side"><div class="col"><h4>what the model gets</h4>'
         f"{_message_card(item, added=added, cls='summary')}</div>"
-        f'<div class="col"><h4>what it replaced ({len(rep["shadowed"])} messages)</h4>{shadowed}</div></div></section>'
+        f'<div class="col"><h4>what it replaced ({_plural(len(rep["shadowed"]), "message")})</h4>'
+        f"{shadowed}</div></div></section>"
     )
 
 
@@ -411,7 +412,7 @@ def _request_list(ctx: SessionContext, at: int) -> str:
         rows.append(
             f'<tr class="req{current}"><td><a href="{base}/context?at={r.at}">{_e(r.label())}</a></td>'
             f'<td class="num">{r.first_chunk}</td><td class="num">{r.messages}</td>'
-            f'<td class="num">{_num(r.input_tokens)}</td><td>{_e(r.model)}</td></tr>'
+            f'<td class="num">{_num(r.input_tokens)}</td></tr>'
         )
     more = (
         f'<div class="muted small">{len(ctx.requests):,} requests in all</div>'
@@ -420,7 +421,7 @@ def _request_list(ctx: SessionContext, at: int) -> str:
     )
     return (
         '<table class="grid requests"><thead><tr><th>step</th><th class=num>first chunk</th><th class=num>messages</th>'
-        f"<th class=num>input tokens</th><th>model</th></tr></thead><tbody>{''.join(rows)}</tbody></table>{more}"
+        f"<th class=num>input tokens</th></tr></thead><tbody>{''.join(rows)}</tbody></table>{more}"
     )
 
 
@@ -475,7 +476,8 @@ def render_context_page(view: dict[str, Any], ctx: SessionContext) -> str:
                 for r in removed
             )
             diff += (
-                f'<details class="removed-list"><summary>show the {len(removed)} messages taken off</summary>'
+                '<details class="removed-list"><summary>show what was taken off '
+                f"({_plural(len(removed), 'message')})</summary>"
                 f"{taken}</details>"
             )
     pager = _context_pager(view, ctx)

@@ -25,6 +25,7 @@ from test_ui_browser import LAUNCH_ARGS, answer, compacted_forked_interrupted
 
 from services.ui_replayer.service import UIReplayerService
 from sessionlog.log import SessionLog
+from sessionlog.metrics import REQUESTS
 from sessionlog.record import H_RAW_KIND, H_RAW_REQUEST_ID, H_RAW_SESSION_SEQ, H_RAW_STATUS, raw_subject
 from sessionlog.wire import to_wire
 
@@ -427,10 +428,11 @@ async def test_the_overview_pages_filters_and_shows_each_projections_partitions_
         junk = new_session_id("junk")
         stream_seq = await publish_raw(log, junk, b"not a record", None)
         await eventually(lambda: _quarantined(http, stream_seq), "the quarantined record in the health JSON")
+        await eventually(lambda: _checkpointed(http, ui.runner.replica_id), "every applied partition checkpointed")
         health = (await http.get("/api/health")).json()
         (mine,) = [p for p in health["projections"] if p["projection"] == "ui-replayer"]
         assert [p["partition"] for p in mine["partitions"]] == list(range(log.settings.partition_count))
-        assert {p["owner"] for p in mine["partitions"] if p["applied"]} == {ui.runner.replica_id}
+        assert all(p["lag"] == 0 for p in mine["partitions"])  # it has applied every record, and says so
         await page.goto(f"{ui.url}/?q=/srv/{tag}")
         assert await page.locator("#fleet-rows tr").count() == 50
         assert "page 1 of 2" in await page.locator(".pager").inner_text()
@@ -444,6 +446,49 @@ async def _rows_with(ui: UIReplayerService, tag: str, count: int) -> bool:
     return sum(1 for r in ui.fleet.rows.values() if r.id.startswith(tag) and r.events) >= count
 
 
+async def _checkpointed(http: httpx.AsyncClient, replica: str) -> bool:
+    """Every partition the ui-replayer applied records of names it as owner (its checkpoint follows within ~1 s)."""
+    health = (await http.get("/api/health")).json()
+    (mine,) = [p for p in health["projections"] if p["projection"] == "ui-replayer"]
+    return {p["owner"] for p in mine["partitions"] if p["applied"]} == {replica}
+
+
 async def _quarantined(http: httpx.AsyncClient, stream_seq: int) -> bool:
     ui_health = (await http.get("/api/health")).json()
     return any(q.get("stream_seq") == stream_seq for q in ui_health["quarantined"])
+
+
+async def test_refusals_are_counted_by_code_per_interval_and_drawn_on_the_overview(
+    ui: UIReplayerService, http: httpx.AsyncClient
+) -> None:
+    ui.deployment.sample()
+    REQUESTS.labels("gateway", "chat", "DERIVATION_DIVERGES").inc(3)
+    REQUESTS.labels("gateway", "chat", "ok").inc(5)  # answers are not refusals
+    ui.deployment.sample()
+    refusals = ui.deployment.refusals()
+    assert refusals["intervals"][-1]["by_code"] == {
+        **dict.fromkeys(refusals["codes"], 0),
+        "DERIVATION_DIVERGES": 3,
+    }
+    assert "ok" not in refusals["codes"]
+    ui.deployment._cached = None  # the panel is cached for two seconds
+    page = (await http.get("/")).text
+    assert "refusals by code" in page and "DERIVATION_DIVERGES" in page
+
+
+async def test_a_long_transcript_pages_back_and_only_its_latest_page_follows_live(
+    log: SessionLog, http: httpx.AsyncClient
+) -> None:
+    writer = await log.create(new_session_id("long"))
+    await writer.emit("turn/start", {"turn": 1})
+    for i in range(450):
+        await writer.emit("user/message", user_message_data(f"line {i}", f"u{i}"), surface_op="append")
+    await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}})
+    await writer.close()
+    sid = writer.session_id
+    latest = (await http.get(f"/sessions/{sid}")).text
+    assert latest.count('class="entry ') == 400 and 'data-live="1"' in latest
+    assert "line 449" in latest and ">line 49<" not in latest
+    before = int(latest.split('class="earlier" href="')[1].split("before=")[1].split('"')[0])
+    earlier = (await http.get(f"/sessions/{sid}", params={"before": before})).text
+    assert ">line 0<" in earlier and "line 449" not in earlier and 'data-live="0"' in earlier

@@ -34,7 +34,7 @@ from nats.js.errors import NoKeysError, NotFoundError
 from sessionlog.jsonl import decode_header
 from sessionlog.log import SessionLog
 from sessionlog.metrics import REQUESTS
-from sessionlog.record import H_COUNT, H_FIRST_SEQ, H_OPEN_TURN, partition_filter, session_of_subject
+from sessionlog.record import H_COUNT, H_FIRST_SEQ, H_OPEN_TURN, session_of_subject
 
 log = logging.getLogger("sessionlog.ui_replayer")
 
@@ -265,7 +265,8 @@ class FleetIndex:
 
 @dataclass
 class DeploymentHealth:
-    """Partitions per projection (owner, applied stream seq, lag), quarantined records and refusals over time."""
+    """Partitions per projection (owner, applied stream seq, lag in records), quarantined records and refusals over
+    time."""
 
     log: SessionLog
     samples: deque[tuple[float, dict[str, float]]] = field(default_factory=lambda: deque(maxlen=REFUSAL_SAMPLES))
@@ -335,31 +336,26 @@ class DeploymentHealth:
                     quarantined.append({"projection": name, **body})
                 elif rest.startswith("p") and rest[1:].isdigit():
                     checkpoints.setdefault(name, {})[int(rest[1:])] = body
-        lasts = await asyncio.gather(
-            *(self.log.reader.last_of(partition_filter(n)) for n in range(settings.partition_count)),
-            return_exceptions=True,
-        )
-        last_seq = {n: (0 if r is None or isinstance(r, BaseException) else r.stream_seq) for n, r in enumerate(lasts)}
-        owners = await asyncio.gather(
-            *(self._owner(name, n) for name in sorted(checkpoints) for n in range(settings.partition_count))
-        )
-        owner_of = iter(owners)
+        names = sorted(checkpoints)
+        count = settings.partition_count
+        pairs = [(name, n) for name in names for n in range(count)]
+        owners = await asyncio.gather(*(self._owner(name, n) for name, n in pairs))
+        consumers = await asyncio.gather(*(self._consumer(name, n) for name, n in pairs))
+        found = dict(zip(pairs, zip(owners, consumers, strict=True), strict=True))
         projections = []
-        for name in sorted(checkpoints):
+        for name in names:
             partitions = []
-            for n in range(settings.partition_count):
+            for n in range(count):
                 point = checkpoints[name].get(n, {})
-                applied = int(point.get("stream_seq", 0))
-                lease_holder = next(owner_of)
+                lease_holder, consumer = found[(name, n)]
                 partitions.append(
                     {
                         "partition": n,
                         "owner": lease_holder or point.get("replica"),
                         "claimed": lease_holder is not None,
-                        "applied": applied,
-                        "last": last_seq[n],
-                        "lag": max(0, last_seq[n] - applied) if applied or last_seq[n] else 0,
+                        "checkpoint": int(point.get("stream_seq", 0)),
                         "checkpointed_at": point.get("time"),
+                        **consumer,
                     }
                 )
             projections.append({"projection": name, "partitions": partitions})
@@ -368,8 +364,16 @@ class DeploymentHealth:
             "projections": projections,
             "quarantined": quarantined,
             "refusals": self.refusals(),
-            "sessions_stream_seq": max(last_seq.values(), default=0),
         }
+
+    async def _consumer(self, projection: str, partition: int) -> dict[str, Any]:
+        """The partition's durable consumer as the server counts it: the stream seq acknowledged (applied) and the
+        records not yet applied (pending delivery plus delivered and unacknowledged). None when nobody consumes it."""
+        try:
+            info = await self.log.js.consumer_info(self.log.settings.stream, f"{projection}-p{partition}")
+        except Exception:  # no such consumer (the partition is not consumed), or not readable
+            return {"applied": None, "lag": None}
+        return {"applied": info.ack_floor.stream_seq, "lag": info.num_pending + info.num_ack_pending}
 
     async def _owner(self, projection: str, partition: int) -> str | None:
         try:

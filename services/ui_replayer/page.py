@@ -708,7 +708,8 @@ def _health_panel(health: dict[str, Any]) -> str:
         blocks.append(
             f'<details class="projection" open><summary>{_e(projection["projection"])}</summary>'
             '<table class="grid compact"><thead><tr><th class=num>p</th><th>owner</th>'
-            "<th class=num>applied</th><th class=num>lag</th></tr></thead>"
+            '<th class=num title="stream seq applied">applied</th><th class=num title="records not yet applied">'
+            "lag</th></tr></thead>"
             f"<tbody>{rows}</tbody></table></details>"
         )
     if not blocks:
@@ -751,6 +752,7 @@ def _health_panel(health: dict[str, Any]) -> str:
     return (
         '<aside class="health"><h2>Health</h2><h3>Projections</h3>'
         + "".join(blocks)
+        + '<div class="muted small">lag: records of the partition its consumer has not applied yet</div>'
         + f"<h3>Quarantined records</h3>{q_html}<h3>Refusals</h3>{chart}{total_table}</aside>"
     )
 

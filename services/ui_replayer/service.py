@@ -270,7 +270,11 @@ class UIReplayerService(ProjectionService[UIState]):
     async def transcript(self, session_id: str, *, at: int | None = None) -> Transcript:
         """The transcript now, or of the prefix ending at seq `at` (inclusive): a replay from any offset."""
         header = await self.header(session_id)
-        state = await self._state(session_id)
+        return self._transcript_of(await self._state(session_id), header, at)
+
+    @staticmethod
+    def _transcript_of(state: UIState, header: bytes, at: int | None) -> Transcript:
+        session_id = state.session_id
         if at is None:
             return state.builder.snapshot(header)
         if at >= len(state.session):
@@ -454,8 +458,9 @@ class UIReplayerService(ProjectionService[UIState]):
         session_id = request.path_params["session_id"]
         at = _int_param(request, "at")
         before = _int_param(request, "before")
-        transcript = await self.transcript(session_id, at=at)
+        header = await self.header(session_id)
         state = await self._state(session_id)
+        transcript = self._transcript_of(state, header, at)
         context = await self._context(session_id, "transcript", state, at)
         html = render_transcript_page(transcript, context, live=at is None and before is None, before=before)
         return HTMLResponse(html, headers=SECURITY_HEADERS)

@@ -323,6 +323,12 @@ async def test_the_overview_and_the_session_page_show_a_new_event_without_a_relo
         )
         events = await page.locator(f"#fleet-rows tr[data-id='{writer.session_id}'] .events").inner_text()
         assert events == "4"
+        # a session that did not exist when the page loaded gets its row at the top
+        newcomer = await log.create(new_session_id("new"))
+        await closed_turn(newcomer, "hello")
+        await newcomer.close()
+        await page.locator(f"#fleet-rows tr[data-id='{newcomer.session_id}']").wait_for(timeout=WAIT_MS)
+        assert await page.locator("#fleet-rows tr").first.get_attribute("data-id") == newcomer.session_id
         await shot(page, "fleet")
         await second.close()
     finally:

@@ -310,8 +310,8 @@ def _session_top(ctx: SessionContext, *, fork_banner: str = "") -> str:
 _JSON_OF: Final = {"transcript": "transcript", "context": "context", "audit": "audit", "raw": "raw"}
 
 
-def _session_bottom(ctx: SessionContext) -> str:
-    side = _lineage(ctx)
+def _session_bottom(ctx: SessionContext, *, side_panel: bool = True) -> str:
+    side = _lineage(ctx) if side_panel else ""
     return f'</div><aside class="side">{side}</aside></div>' if side else "</div></div>"
 
 
@@ -390,7 +390,7 @@ def _compaction_card(item: dict[str, Any], *, added: bool) -> str:
     sources = ", ".join(str(s) for s in rep["source_event_seqs"])
     return (
         f'<section class="compaction-view" data-seq="{item["seq"]}">'
-        f'<div class="marker">compaction at seq {item["seq"]}: replaced surface nodes {rep["start"]}–{rep["end"]} '
+        f'<div class="marker">compaction at seq {item["seq"]}: replaced the messages of seqs {rep["start"]}–{rep["end"]} '
         f'<span class="muted">(sourceEventSeqs {_e(sources)})</span></div>'
         '<div class="side-by-side"><div class="col"><h4>what the model gets</h4>'
         f"{_message_card(item, added=added, cls='summary')}</div>"
@@ -509,8 +509,8 @@ def render_context_page(view: dict[str, Any], ctx: SessionContext) -> str:
         + '<div class="two">'
         + f'<main id="context" class="messages">{pager}{"".join(cards) or "<p class=empty>No messages.</p>"}'
         + f"{pager}</main>"
-        + f'<aside class="picker"><h3>Requests</h3>{_request_list(ctx, at)}</aside></div>'
-        + _session_bottom(ctx)
+        + f'<aside class="picker"><h3>Requests</h3>{_request_list(ctx, at)}{_lineage(ctx)}</aside></div>'
+        + _session_bottom(ctx, side_panel=False)
     )
     return _page(f"model's view · {ctx.title or ctx.session_id}", body_html, wide=True)
 

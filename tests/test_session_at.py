@@ -15,6 +15,7 @@ from sessionlog.session import Session
 
 
 def assert_views_match(session: Session) -> None:
+    assert session.request_header_seqs == tuple(e.seq for e in session if e.type == "request/header")
     for seq in range(len(session)):
         prefix = session.prefix(seq)
         assert [m.raw for m in session.derive_at(seq)] == [m.raw for m in prefix.derive_messages()], seq

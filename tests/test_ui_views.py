@@ -148,6 +148,7 @@ async def test_the_models_view_shows_the_shadowed_message_before_the_compaction_
     assert "−1 taken off by compaction" in await visible_text(page, ".diff")
     assert await page.locator("tr.req.current").count() == 1
     assert await page.locator("svg.timeline .compaction-mark").count() == 1
+    assert await page.locator("svg.timeline .hdr").count() == 1  # the fixture's one request/header, a link
     await inert(page)
     await shot(page, "context-after-compaction")
     await page.set_viewport_size({"width": 1280, "height": 800})

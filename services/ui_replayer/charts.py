@@ -169,12 +169,13 @@ def timeline_strip(
     requests: Sequence[tuple[int, str, str]],
     compactions: Sequence[tuple[int, str]],
     *,
+    headers: Sequence[tuple[int, str, str]] = (),
     current: int | None = None,
 ) -> str:
     """The session's seq axis: a tick per request (at, label, link; at most `MAX_TICKS`, evenly picked) and a mark
     per compaction (seq, label); the request the page shows is highlighted."""
     width = 1000
-    height = 34
+    height = 40
     span = max(1, length - 1)
 
     def px(seq: int) -> float:
@@ -185,6 +186,12 @@ def timeline_strip(
         parts.append(
             f'<rect x="{px(seq) - 2:.1f}" y="6" width="4" height="24" class="compaction-mark">'
             f"<title>{_e(label)}</title></rect>"
+        )
+    for seq, label, href in headers[:MAX_TICKS]:
+        x = px(seq)
+        parts.append(
+            f'<a href="{_e(href)}"><path d="M{x:.1f},27 l4,5 l-4,5 l-4,-5 z" class="hdr"><title>{_e(label)}</title>'
+            "</path></a>"
         )
     step = max(1, -(-len(requests) // MAX_TICKS))  # a long session: every k-th request, and the current one
     for index, (at, label, href) in enumerate(requests):

@@ -199,6 +199,7 @@ class SessionContext:
     compactions: list[dict[str, Any]]
     tab: str
     at: int | None = None
+    header_seqs: tuple[int, ...] = ()
 
 
 def _page(title: str, body: str, *, body_attrs: str = "", wide: bool = False) -> str:
@@ -258,14 +259,16 @@ def _timeline(ctx: SessionContext) -> str:
     ]
     marks = [(c["seq"], f"compaction at seq {c['seq']}: replaced {c['start']}-{c['end']}") for c in ctx.compactions]
     current = ctx.at if ctx.tab == "context" else None
+    headers = [(seq, f"request/header at seq {seq}", f"{base}/context?at={seq}") for seq in ctx.header_seqs]
     legend = (
         f'<div class="timeline-legend"><span><i class="dot"></i>{_plural(len(ctx.requests), "request")}</span>'
         f'<span><i class="cbar"></i>{_plural(len(ctx.compactions), "compaction")}</span>'
+        f'<span><i class="hdr"></i>{_plural(len(ctx.header_seqs), "request header")}</span>'
         f'<span class="muted">seq 0 … {max(0, ctx.events - 1)}</span></div>'
     )
     return (
         '<section class="timeline-box">'
-        + timeline_strip(ctx.events, reqs, marks, current=current)
+        + timeline_strip(ctx.events, reqs, marks, headers=headers, current=current)
         + legend
         + "</section>"
     )
@@ -390,7 +393,8 @@ def _compaction_card(item: dict[str, Any], *, added: bool) -> str:
     sources = ", ".join(str(s) for s in rep["source_event_seqs"])
     return (
         f'<section class="compaction-view" data-seq="{item["seq"]}">'
-        f'<div class="marker">compaction at seq {item["seq"]}: replaced the messages of seqs {rep["start"]}–{rep["end"]} '
+        f'<div class="marker">compaction at seq {item["seq"]}: '
+        f"replaced the messages of seqs {rep['start']}–{rep['end']} "
         f'<span class="muted">(sourceEventSeqs {_e(sources)})</span></div>'
         '<div class="side-by-side"><div class="col"><h4>what the model gets</h4>'
         f"{_message_card(item, added=added, cls='summary')}</div>"

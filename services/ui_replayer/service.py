@@ -301,6 +301,7 @@ class UIReplayerService(ProjectionService[UIState]):
             compactions=views.compactions_of(state.session, state.replaces),
             tab=tab,
             at=at,
+            header_seqs=state.session.request_header_seqs,
         )
 
     def _ancestors(self, header: SessionHeader) -> list[str]:

@@ -337,6 +337,11 @@ class Session:
         items = [m for n in surface.nodes if (m := messages[n]) is not None]
         return DerivedMessages(items, len(items))
 
+    @property
+    def request_header_seqs(self) -> tuple[int, ...]:
+        """The seqs of every `request/header` event, in order."""
+        return tuple(self._header_seqs)
+
     def fold_request_header_at(self, seq: int) -> FoldedHeader | None:
         """The request/header in force at `seq` (inclusive): the latest one at or before it."""
         index = bisect.bisect_right(self._header_seqs, seq)

@@ -396,6 +396,10 @@ async def test_markup_in_every_field_of_the_log_is_shown_as_text_on_every_page(
         await page.goto(ui.url + path)
         await page.locator(".wrap").wait_for(timeout=WAIT_MS)
         await inert(page)
+    for view in ("transcript", "context", "audit", "raw", "requests", "lineage"):  # JSON is never sniffed as HTML
+        response = await http.get(f"/api/sessions/{sid}/{view}")
+        assert response.headers["content-type"] == "application/json", view
+        assert response.headers["x-content-type-options"] == "nosniff", view
     await page.goto(f"{ui.url}/sessions/{sid}/context")
     assert XSS in await page.locator("#context .tool-name").first.inner_text()
     assert XSS in await page.locator(".view-head .model").inner_text()

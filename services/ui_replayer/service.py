@@ -439,7 +439,7 @@ class UIReplayerService(ProjectionService[UIState]):
 
     @staticmethod
     def _json(body: Any) -> Response:
-        return Response(_encoder.encode(body), media_type="application/json")
+        return Response(_encoder.encode(body), media_type="application/json", headers=SECURITY_HEADERS)
 
     async def _list(self, request: Request) -> Response:
         fleet = await self.fleet_page(request)
@@ -473,7 +473,7 @@ class UIReplayerService(ProjectionService[UIState]):
         transcript = await self.transcript(session_id, at=at)
         if from_seq:
             transcript = msgspec.structs.replace(transcript, entries=transcript.since(from_seq))
-        return Response(_encoder.encode(transcript), media_type="application/json")
+        return Response(_encoder.encode(transcript), media_type="application/json", headers=SECURITY_HEADERS)
 
     async def _context_page(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]

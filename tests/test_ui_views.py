@@ -194,6 +194,8 @@ async def test_fork_lineage_is_a_tree_and_repair_closers_are_marked_synthetic_in
     lineage = (await http.get(f"/api/sessions/{child}/lineage")).json()
     assert lineage["parent"] == parent and lineage["ancestors"] == [parent]
     assert (await http.get(f"/api/sessions/{parent}/lineage")).json()["children"] == [child]
+    forks = (await http.get("/api/fleet", params={"q": parent, "state": "forks"})).json()["rows"]
+    assert [r["id"] for r in forks] == [child]  # found by its parent's id, and the only fork of it
     await page.goto(f"{ui.url}/sessions/{child}")
     assert await page.locator(".lineage a.ancestor").inner_text() == parent
     assert await page.locator(".lineage li.self code").inner_text() == child
@@ -274,6 +276,8 @@ async def test_the_raw_exchange_stands_beside_the_logs_derivation_with_the_check
     body = (await http.get(f"/api/sessions/{sid}/raw")).json()
     verdicts = {x["request_id"]: x["verdict"] for x in body}
     assert verdicts == {"req-good": "agrees", "req-xss": "differs"}
+    flagged = (await http.get("/api/fleet", params={"q": sid, "state": "findings"})).json()
+    assert [r["id"] for r in flagged["rows"]] == [sid] and flagged["rows"][0]["findings"] == 1
     (bad,) = [x for x in body if x["request_id"] == "req-xss"]
     assert {f["code"] for f in bad["findings"]} == {"RAW_STREAM_DIFFERS"}
     assert '"Say hi."' in bad["derivation"] and XSS_RAW in bad["response"]
@@ -429,6 +433,7 @@ async def test_the_overview_pages_filters_and_shows_each_projections_partitions_
         second = (await http.get("/api/fleet", params={"q": f"/srv/{tag}", "page": 2})).json()
         ids = [r["id"] for r in first["rows"] + second["rows"]]
         assert len(set(ids)) == 58
+        assert (await http.get("/api/fleet", params={"q": tag, "state": "forks"})).json()["total"] == 0
         only_open = (await http.get("/api/fleet", params={"q": tag, "state": "open"})).json()
         assert [(r["id"], r["open_turn"], r["lease_holder"] is not None) for r in only_open["rows"]] == [
             (f"{tag}-open", 1, True)

@@ -235,16 +235,27 @@ class FleetIndex:
         return [r for r in self.ordered() if r.parent == session_id]
 
     def page(
-        self, *, query: str = "", state: str = "", page: int = 1, size: int = PAGE_SIZE, extra: Callable[[str], str]
+        self,
+        *,
+        query: str = "",
+        state: str = "",
+        page: int = 1,
+        size: int = PAGE_SIZE,
+        extra: Callable[[str], str],
+        flagged: Callable[[str], bool] = lambda _: False,
     ) -> Page:
         """One page of the rows that match: `query` in the id, parent, cwd or `extra(id)` (the title); `state`
-        `open` (a turn is open) or `closed`."""
+        `open` (a turn is open), `closed`, `forks` (has a parent) or `findings` (`flagged(id)`)."""
         rows: Iterable[SessionRow] = self.ordered()
         needle = query.strip().lower()
         if state == "open":
             rows = (r for r in rows if r.open_turn)
         elif state == "closed":
             rows = (r for r in rows if not r.open_turn)
+        elif state == "forks":
+            rows = (r for r in rows if r.parent)
+        elif state == "findings":
+            rows = (r for r in rows if flagged(r.id))
         if needle:
             rows = (
                 r

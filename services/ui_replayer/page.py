@@ -775,7 +775,13 @@ def render_fleet_page(fleet: dict[str, Any], health: dict[str, Any]) -> str:
     )
     options = "".join(
         f'<option value="{v}"{" selected" if state == v else ""}>{label}</option>'
-        for v, label in (("", "all"), ("open", "open turn"), ("closed", "closed"))
+        for v, label in (
+            ("", "all"),
+            ("open", "open turn"),
+            ("closed", "closed"),
+            ("forks", "forks"),
+            ("findings", "with findings"),
+        )
     )
     pager = ""
     if fleet["pages"] > 1:

@@ -371,6 +371,10 @@ class UIReplayerService(ProjectionService[UIState]):
         state = self.runner.states.get(session_id)
         return (state.builder.title or "") if state is not None else ""
 
+    def _flagged(self, session_id: str) -> bool:
+        state = self.runner.states.get(session_id)
+        return state is not None and bool(state.auditor.findings)
+
     def _enrich(self, rows: list[SessionRow], holders: dict[str, str | None]) -> list[dict[str, Any]]:
         out = []
         for row in rows:
@@ -392,7 +396,7 @@ class UIReplayerService(ProjectionService[UIState]):
         query = request.query_params.get("q", "")
         state = request.query_params.get("state", "")
         page = _int_param(request, "page") or 1
-        found = self.fleet.page(query=query, state=state, page=page, extra=self._title)
+        found = self.fleet.page(query=query, state=state, page=page, extra=self._title, flagged=self._flagged)
         holders = await lease_holders(self.log, [r.id for r in found.rows])
         return {
             "rows": self._enrich(found.rows, holders),

@@ -6,8 +6,8 @@ It keeps, per session, the validated log, its transcript (`sessionlog.transcript
 every session (`fleet.FleetIndex`), and serves (Starlette on uvicorn, `SESSIONLOG_UI_HOST`:`SESSIONLOG_UI_PORT`):
 
 - `/` the fleet: sessions by last activity with state, writer lease holder, tokens, findings, parent, cwd; search
-  (`?q=`), `?state=open|closed|forks|findings`, `?page=N`; the deployment's health beside it; `/events` its live rows (SSE);
-  `/api/fleet`, `/api/sessions` (the rows) and `/api/health` as JSON;
+  (`?q=`), `?state=open|closed|forks|findings`, `?page=N`; the deployment's health beside it; `/events` its live
+  rows (SSE); `/api/fleet`, `/api/sessions` (the rows) and `/api/health` as JSON;
 - `/sessions/{id}` the transcript (`?at=SEQ` replays a prefix, `?before=SEQ` pages back), live over
   `/sessions/{id}/events` (SSE: `entry`, `delta` and `sync` events whose `id` is the seq seen so far, so a reconnect
   resumes exactly);

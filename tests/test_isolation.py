@@ -35,14 +35,23 @@ from scaffold import LEASE_TTL_S, WAIT_S, eventually, freeze
 from sessiongen import closed_turn
 from test_context_deriver import ServiceProcess
 from test_repairer import open_turn
-from test_runner import ALL, Harness, closed_turn_events, ids_in_partition
+from test_runner import (
+    ALL,
+    CheckedDeriver,
+    CheckedState,
+    Harness,
+    closed_turn_events,
+    ids_in_partition,
+    projection_name,
+)
 
 from services.repairer.service import RepairerService
 from services.ui_replayer.service import UIReplayerService
 from sessionlog.embedded import EmbeddedServer, free_port
 from sessionlog.errors import SessionLogError
 from sessionlog.events import MAX_EVENT_DEPTH
-from sessionlog.record import encode_payload, in_subject, record_headers
+from sessionlog.record import Record, encode_payload, in_subject, record_headers
+from sessionlog.runner import ProjectionRunner
 from sessionlog.services import Stack
 
 pytest_plugins = ["natsfixtures"]
@@ -224,6 +233,55 @@ async def test_a_deeply_nested_record_is_quarantined_by_every_projection_and_its
             assert state.next_seq == writer.next_seq
     finally:
         await restarted.stop()
+
+
+class FragileState(CheckedState):
+    """A projection with a bug: a `session/title` whose title is not a string makes `apply` divide by zero."""
+
+    def apply(self, record: Record) -> None:
+        for raw in record.events:
+            event = json.loads(raw)
+            if event["type"] == "session/title" and not isinstance(event["data"].get("title"), str):
+                _ = 1 / 0
+        super().apply(record)
+
+
+class FragileDeriver(CheckedDeriver):
+    def new_state(self, session_id: str) -> FragileState:
+        return FragileState(session_id)
+
+
+async def test_a_record_whose_applying_raises_anything_is_quarantined_and_the_partition_goes_on(
+    own: tuple[EmbeddedServer, Harness],
+) -> None:
+    server, harness = own
+    log = await harness.connect(server.url)
+    runner_log = await harness.connect(server.url)
+    runner = harness.keep_runner(ProjectionRunner(runner_log, FragileDeriver(projection_name()), partitions=ALL))
+    await runner.start()
+    await runner.wait_ready(WAIT_S)
+    bad, healthy = ids_in_partition(6, 2)
+    writer = await harness.create(log, bad)
+    await closed_turn(writer)
+    await writer.emit("session/title", {"title": ["not", "a", "string"]})
+    await writer.flush()
+    bad_seq = writer.last_stream_seq
+    other = await harness.create(log, healthy)
+    await closed_turn(other)
+    await other.flush()
+
+    async def consumed() -> bool:
+        return runner._partitions[6].applied >= other.last_stream_seq
+
+    await eventually(consumed, "partition 6 consumed past the record that raised")
+    state = runner.states.get(healthy)
+    assert state is not None and state.next_seq == other.next_seq
+    reasons = {q.stream_seq: q.reason for q in runner.quarantined}
+    assert reasons.get(bad_seq, "").startswith("ZeroDivisionError"), reasons
+    assert runner.health()["ready"] and runner.health()["stalled"] == []
+    with pytest.raises(SessionLogError) as refused:
+        await runner.state(bad)
+    assert refused.value.code == "CORRUPT_LOG"
 
 
 async def test_a_consumer_that_loses_the_server_is_not_ready_is_restarted_and_resumes(

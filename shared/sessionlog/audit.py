@@ -16,7 +16,9 @@ Findings (`Finding.code`):
   block assembles to its `block-end` block (the adapter's final word on it) or, without one, to its deltas joined.
   Empty text and reasoning blocks are ignored on both sides. A response cut short (no finish chunk, finish
   `max-tokens` or `error`, or a message marked `interrupted`) may leave out tool calls it had started: the message
-  must hold the other blocks, in order. A message with no chunks at all was not streamed and is not compared.
+  must hold the other blocks, in order. A message with no chunks at all was not streamed and is not compared with
+  chunks; a model's message that was not streamed is an attempt of its own (its blocks as it gives them), so the raw
+  response that answered it is compared with it (`RAW_STREAM_DIFFERS`) and its request is checked like any other.
 - `PROVENANCE_DOES_NOT_COVER_CHUNKS`: the message's `sourceEventSeqs` misses a chunk of its attempt, or names an
   event that is not a chunk of its step. Chunks of an earlier failed attempt of the step may be named or not.
 - `MESSAGE_USAGE_DIFFERS`: the message's usage is not its attempt's usage chunk.
@@ -442,6 +444,7 @@ class Attempt:
         "step",
         "turn",
         "usage",
+        "whole",
     )
 
     def __init__(self, event: Event, messages: DerivedMessages, header: FoldedHeader | None) -> None:
@@ -460,6 +463,7 @@ class Attempt:
         self.accounted = False
         self.last_index = -1  # the block the last text delta went to, and its parts: the hot path of a stream
         self.last_parts: list[str] = []
+        self.whole = False  # a message that was not streamed: no chunks, its blocks as the message gives them
 
     def block(self, index: int, block_type: str) -> _Block:
         block = self.blocks.get(index)
@@ -476,6 +480,8 @@ class Attempt:
     @property
     def cut_short(self) -> bool:
         interrupted = self.message is not None and self.message.data.interrupted is True
+        if self.whole:
+            return interrupted
         return interrupted or self.finish is None or self.finish in _PARTIAL_FINISHES
 
     @property
@@ -679,7 +685,7 @@ class SessionAuditor:
             self._chunk(event, session)
         elif kind == "assistant/message":
             if not event.is_replace:
-                self._message(event)
+                self._message(event, session)
         elif kind == "step/start":
             step = _Step(event.data.turn, event.data.step, event.seq)
             self.steps[(step.turn, step.step)] = step
@@ -771,7 +777,7 @@ class SessionAuditor:
 
     # ------------------------------------------------------------------------------------------ messages
 
-    def _message(self, event: Event) -> None:
+    def _message(self, event: Event, session: Session) -> None:
         data: AssistantMessageData = event.data
         step = self.steps.get((data.turn, data.step))
         attempt = step.untaken() if step is not None else None
@@ -779,6 +785,9 @@ class SessionAuditor:
             step.messages.append(event.seq)
         where = f"assistant/message at seq {event.seq} (step {data.turn}.{data.step})"
         seqs = event.source_event_seqs if isinstance(event.source_event_seqs, list) else []
+        if step is not None and attempt is None and not seqs and data.message.source.kind == "model":
+            self._whole_answer(event, step, session)
+            return
         if step is None or attempt is None:
             self._unstreamed.append(event)
             if data.usage is not UNSET:
@@ -839,6 +848,26 @@ class SessionAuditor:
                 data.turn,
                 data.step,
             )
+        self._account(attempt)
+        if self._pending:
+            self._match_pending()
+
+    def _whole_answer(self, event: Event, step: _Step, session: Session) -> None:
+        """A model's message that was not streamed: an attempt of its own, its blocks as it gives them, so a raw
+        exchange that answered it is compared with it and the ledger counts it like a streamed one."""
+        messages = session.derive_messages()
+        if messages and messages[-1].seq == event.seq:  # the request is what the prefix before it derives
+            before: Sequence[Any] = messages[: len(messages) - 1]
+        else:
+            before = messages
+        attempt = Attempt(event, before, session.fold_request_header())  # type: ignore[arg-type]
+        attempt.first_seq = event.seq
+        for index, block in enumerate(event.data.message.content):
+            attempt.block(index, _BLOCK_TYPES.get(type(block).__name__, "other")).end = block
+        attempt.message = event
+        attempt.closed = True
+        attempt.whole = True
+        step.attempts.append(attempt)
         self._account(attempt)
         if self._pending:
             self._match_pending()

@@ -269,3 +269,180 @@ async def test_models_are_listed_under_the_record_base_url(http: httpx.AsyncClie
     response = await http.get(base(gateway, new_session_id("rec")) + "/models")
     assert response.status_code == 200, response.text
     assert response.json()["data"][0]["id"]
+
+
+# ---------------------------------------------------------------------------------------------- history edits
+
+
+async def two_turns(http: httpx.AsyncClient, server: ServerThread, provider: ScriptedProvider, sid: str) -> list[Any]:
+    """Two plain turns through record mode; returns the messages the client holds after them."""
+    provider.load([{"text": "First answer."}, {"text": "Second answer."}])
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "First question?"}]
+    for question in ("Second question?", None):
+        response = await complete(http, server, sid, {"model": "scripted-model", "messages": messages})
+        assert response.status_code == 200, response.text
+        messages.append(response.json()["choices"][0]["message"])
+        if question:
+            messages.append({"role": "user", "content": question})
+    return messages
+
+
+async def test_a_client_compaction_is_logged_as_a_replacement_with_provenance_and_the_transcript_keeps_it(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    await two_turns(http, gateway, provider, sid)
+    before = await load(log, sid)
+    originals = [e.seq for e in before.transcript()]
+    compacted = [SYSTEM, {"role": "user", "content": "Summary: two questions, two answers."},
+                 {"role": "user", "content": "Third question?"}]  # fmt: skip
+    provider.load([{"text": "Third answer."}])
+    response = await complete(http, gateway, sid, {"model": "scripted-model", "messages": compacted})
+    assert response.status_code == 200, response.text
+    session = await load(log, sid)
+    replace = next(e for e in session if e.is_replace)
+    assert replace.type == "user/message"
+    assert replace.surface_op == {"op": "replace", "start": originals[0], "end": originals[-1]}
+    assert replace.source_event_seqs == sorted(before.surface.nodes)  # every shadowed node
+    assert [e.seq for e in session.transcript()][: len(originals)] == originals  # the originals stay
+    assert without_transport(provider.received[-1])["messages"] == compacted
+    assert canonical(theorem_requests(session)[-1]) == canonical(without_transport(provider.received[-1]))
+    assert session.open_turn is None and session.generation == 1
+
+
+async def test_a_truncation_and_an_edited_tool_result_are_logged_without_splitting_a_tool_pair(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "It says hello."}, {"text": "Again."}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Read my notes"}]
+    body = {"model": "scripted-model", "tools": TOOLS}
+    first = await complete(http, gateway, sid, {**body, "messages": messages})
+    messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]
+    second = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert second.status_code == 200, second.text
+    # the framework shortens the tool output it keeps in context, drops the last answer, and asks again
+    edited = [*messages[:2], {"role": "tool", "tool_call_id": "call_1", "content": "hel…"}]
+    third = await complete(http, gateway, sid, {**body, "messages": edited})
+    assert third.status_code == 200, third.text
+    session = await load(log, sid)
+    replace = next(e for e in session if e.is_replace)
+    assert replace.type == "assistant/message"  # starts at the call, so the pair stays whole
+    sent = without_transport(provider.received[-1])["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool"] and sent[2]["content"] == "hel…"
+    assert session.open_turn is None
+
+
+async def test_the_refuse_policy_refuses_a_history_edit_and_the_provider_receives_nothing(
+    http: httpx.AsyncClient, refusing_gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    await two_turns(http, refusing_gateway, provider, sid)
+    length = len(await load(log, sid))
+    provider.clear()
+    compacted = [SYSTEM, {"role": "user", "content": "Summary."}, {"role": "user", "content": "Third?"}]
+    response = await complete(http, refusing_gateway, sid, {"model": "scripted-model", "messages": compacted})
+    assert response.status_code == 409
+    assert response.json()["error"]["code"] == "DERIVATION_DIVERGES"
+    assert response.headers["x-should-retry"] == "false"
+    assert provider.received == []
+    assert len(await load(log, sid)) == length
+
+
+# ---------------------------------------------------------------------------------------------- one at a time, tenants
+
+
+async def test_a_concurrent_request_is_session_busy_and_the_session_is_free_after_the_reply(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "slow", "delay_s": 1.0}, {"text": "next"}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    slow = asyncio.ensure_future(complete(http, gateway, sid, body))
+
+    async def provider_has_it() -> bool:
+        return len(provider.received) == 1
+
+    await eventually(provider_has_it, "the first request reaching the provider")
+    busy = await complete(http, gateway, sid, body)
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "SESSION_BUSY"
+    assert busy.headers["x-should-retry"] == "false"
+    first = await slow
+    assert first.status_code == 200
+    follow = [*body["messages"], first.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+    nxt = await complete(http, gateway, sid, {"model": "scripted-model", "messages": follow})
+    assert nxt.status_code == 200, nxt.text
+    assert len(provider.received) == 2
+
+
+async def test_a_session_belongs_to_the_tenant_that_created_it(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "yours"}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    assert (await complete(http, gateway, sid, body)).status_code == 200
+    header = await log.header(sid)
+    assert header is not None and msgspec.json.decode(header)["tenant"] == "tenant-a"
+    url = base(gateway, sid) + "/chat/completions"
+    async with httpx.AsyncClient(timeout=10) as other:
+        foreign = await other.post(url, json=body, headers={"authorization": f"Bearer {KEY_B}"})
+        assert foreign.status_code == 404 and foreign.json()["error"]["code"] == "SESSION_NOT_FOUND"
+        for headers in ({}, {"authorization": "Bearer sk-wrong"}):
+            anonymous = await other.post(url, json=body, headers=headers)
+            assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "UNAUTHORIZED"
+    assert len(provider.received) == 1
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+
+async def test_a_client_that_disconnects_mid_stream_leaves_an_aborted_turn_and_its_next_request_extends_the_log(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "one two three four five six seven eight", "chunk_delay_s": 0.2}, {"text": "ok"}])
+    messages = [{"role": "user", "content": "count"}]
+    body = {"model": "scripted-model", "stream": True, "messages": messages}
+    async with http.stream("POST", base(gateway, sid) + "/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        seen = b""
+        async for data in response.aiter_bytes():
+            seen += data
+            if b'"content":"one' in seen:
+                break  # the user pressed stop after the first word
+
+    async def aborted() -> bool:
+        session = await load(log, sid)
+        return session.open_turn is None and any(e.type == "turn/end" for e in session)
+
+    await eventually(aborted, "the turn ended after the disconnect")
+    session = await load(log, sid)
+    end = [e for e in session if e.type == "turn/end"][-1]
+    assert msgspec.json.decode(end.raw)["data"]["reason"] == {"kind": "aborted", "reason": {"kind": "user"}}
+    assert any(e.type == "assistant/chunk" for e in session)
+    assert not any(e.type == "assistant/message" for e in session)
+    follow = await complete(http, gateway, sid, {"model": "scripted-model",
+                                                 "messages": [*messages, {"role": "user", "content": "again"}]})  # fmt: skip
+    assert follow.status_code == 200, follow.text
+    assert not any(e.is_replace for e in await load(log, sid))
+
+
+async def test_a_provider_error_ends_the_turn_as_an_error_and_a_retry_continues(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"status": 500, "error": "overloaded"}, {"text": "fine now"}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    failed = await complete(http, gateway, sid, body)
+    assert failed.status_code >= 500
+    session = await load(log, sid)
+    end = [e for e in session if e.type == "turn/end"][-1]
+    reason = msgspec.json.decode(end.raw)["data"]["reason"]
+    assert reason["kind"] == "error" and reason["error"]["status"] == 500
+    retried = await complete(http, gateway, sid, body)
+    assert retried.status_code == 200, retried.text
+    session = await load(log, sid)
+    assert [e.type for e in session if e.type.startswith("turn/")] == ["turn/start", "turn/end"] * 2
+    assert not any(e.is_replace for e in session)
+    assert without_transport(provider.received[1]) == without_transport(provider.received[0])

@@ -18,11 +18,13 @@ import msgspec
 import pytest
 import pytest_asyncio
 from natsfixtures import new_session_id
-from scaffold import eventually
+from scaffold import Opened, eventually
 
 from services.gateway import GatewayConfig, ScriptedProvider, ServerThread, UpstreamConfig, build_app
 from services.repairer.service import RepairerService
 from sessionlog.audit import RawAssembler, audit_session
+from sessionlog.embedded import free_port
+from sessionlog.errors import SessionLogError
 from sessionlog.log import SessionLog
 from sessionlog.session import Session
 from sessionlog.settings import Settings
@@ -179,7 +181,9 @@ def theorem_requests(session: Session) -> list[dict[str, Any]]:
     out = []
     for event in session:
         first_answer = event.type == "assistant/chunk" or (
-            event.type == "assistant/message" and event.surface_op == "append" and event.data.message.source.kind == "model"
+            event.type == "assistant/message"
+            and event.surface_op == "append"
+            and event.data.message.source.kind == "model"
         )
         if not first_answer:
             continue
@@ -422,8 +426,8 @@ async def test_a_client_that_disconnects_mid_stream_leaves_an_aborted_turn_and_i
     assert msgspec.json.decode(end.raw)["data"]["reason"] == {"kind": "aborted", "reason": {"kind": "user"}}
     assert any(e.type == "assistant/chunk" for e in session)
     assert not any(e.type == "assistant/message" for e in session)
-    follow = await complete(http, gateway, sid, {"model": "scripted-model",
-                                                 "messages": [*messages, {"role": "user", "content": "again"}]})  # fmt: skip
+    again = [*messages, {"role": "user", "content": "again"}]
+    follow = await complete(http, gateway, sid, {"model": "scripted-model", "messages": again})
     assert follow.status_code == 200, follow.text
     assert not any(e.is_replace for e in await load(log, sid))
 
@@ -446,3 +450,75 @@ async def test_a_provider_error_ends_the_turn_as_an_error_and_a_retry_continues(
     assert [e.type for e in session if e.type.startswith("turn/")] == ["turn/start", "turn/end"] * 2
     assert not any(e.is_replace for e in session)
     assert without_transport(provider.received[1]) == without_transport(provider.received[0])
+
+
+async def test_a_gateway_killed_mid_stream_leaves_an_open_turn_that_the_repairer_closes(
+    provisioned: Settings, provider_server: ServerThread, provider: ScriptedProvider, log: SessionLog, url: str
+) -> None:
+    sid = new_session_id("rec")
+    port = free_port()
+    env = {
+        **os.environ,
+        "SESSIONLOG_NATS_URL": url,
+        "SESSIONLOG_GATEWAY_PORT": str(port),
+        "SESSIONLOG_PROVIDER_BASE_URL": provider_server.url + "/v1",
+        "SESSIONLOG_LEASE_TTL_S": "1",
+        "SESSIONLOG_METRICS_PORT": "0",
+        "SESSIONLOG_GATEWAY_KEYS": msgspec.json.encode({digest(KEY_A): "tenant-a"}).decode(),
+    }
+    root = Path(__file__).resolve().parents[1]
+    process = subprocess.Popen([sys.executable, "-m", "services.gateway", "--derivation", "stream"], env=env, cwd=root,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        gateway_url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(timeout=10, headers={"authorization": f"Bearer {KEY_A}"}) as client:
+
+            async def up() -> bool:
+                try:
+                    return (await client.get(gateway_url + "/healthz")).status_code == 200
+                except httpx.HTTPError:
+                    return process.poll() is not None  # ends the wait; the assert below says why
+
+            await eventually(up, "the gateway process serving")
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            provider.load([{"text": "one two three four five six seven eight nine ten", "chunk_delay_s": 0.3}])
+            body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "count"}]}
+            url_ = f"{gateway_url}/record/{sid}/v1/chat/completions"
+
+            async def chunks_logged() -> bool:
+                try:
+                    return any(e.type == "assistant/chunk" for e in await load(log, sid))
+                except SessionLogError:
+                    return False
+
+            async with client.stream("POST", url_, json=body) as response:
+                assert response.status_code == 200
+                seen = b""
+                async for data in response.aiter_bytes():
+                    seen += data
+                    if b'"content":"two' in seen:
+                        await eventually(chunks_logged, "the first chunks durable")
+                        # mid-stream, the client still reading: the turn stays open under a lease nobody refreshes
+                        process.send_signal(signal.SIGKILL)
+                        process.wait(timeout=10)
+                        break
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    session = await load(log, sid)
+    assert session.open_turn is not None and session.open_step is not None
+    length = len(session)
+    async with Opened(url, lease_ttl_s=1, repair_grace_s=0.3) as opened:
+        repairer_log = await opened.connect()
+        service = opened.keep_service(RepairerService(repairer_log))
+        await service.start()
+
+        async def closed() -> bool:
+            return (await load(log, sid)).open_turn is None
+
+        await eventually(closed, "the repairer closing the turn")
+    session = await load(log, sid)
+    closers = [e.type for e in list(session)[length:]]
+    assert closers == ["step/end", "turn/end"]
+    assert msgspec.json.decode(session[len(session) - 1].raw)["data"]["reason"] == {"kind": "interrupted"}

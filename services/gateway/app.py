@@ -61,7 +61,7 @@ from .derivation import ContextDeriverClient, Derivation, DerivationSource, Stre
 from .metrics import GatewayMetrics
 from .record import Recorder
 from .tee import H_REQUEST_ID, RawTee
-from .tenants import Tenants, Unauthorized
+from .tenants import Tenants
 from .upstream import (
     Upstream,
     UpstreamConfig,

@@ -48,7 +48,7 @@ from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from sessionlog.errors import Conflict, DerivationDiverges, SessionLogError, SessionNotFound, SessionAlreadyExists
+from sessionlog.errors import Conflict, DerivationDiverges, SessionAlreadyExists, SessionLogError, SessionNotFound
 from sessionlog.events import ToolCallBlock, ToolResultBlock
 from sessionlog.ids import check_session_id
 from sessionlog.leases import LeaseHeld
@@ -192,7 +192,7 @@ class Recorder:
     # ---------------------------------------------------------------------------------- endpoints
 
     async def models(self, request: Request) -> Response:
-        from .app import error_body, _request_id, _status_of
+        from .app import _request_id, _status_of, error_body
 
         request_id = _request_id()
         try:
@@ -356,7 +356,10 @@ class Recorder:
                 )
             start, new = self._edit(session, derived, client, p)
         else:
-            start, new = None, [self._to_log(m, client.known + i) for i, m in enumerate(client.tail[p - client.known :])]
+            start, new = (
+                None,
+                [self._to_log(m, client.known + i) for i, m in enumerate(client.tail[p - client.known :])],
+            )
         await self._write(writer, new, start, header if header_changed else None, folded is None)
         await writer.flush()
         session = writer.session
@@ -472,7 +475,9 @@ class Recorder:
             turn = session.last_turn + 1
             await writer.emit("turn/start", {"turn": turn})
         for item in new[:lead]:
-            await self._tool_result(writer, turn, step.number if step else 0, item, session.tool_call_event(item.call_id))
+            await self._tool_result(
+                writer, turn, step.number if step else 0, item, session.tool_call_event(item.call_id)
+            )
         if session.open_step is not None:
             await writer.emit("step/end", {"turn": turn, "step": session.open_step.number})
         number = session.last_step + 1 if session.open_turn == turn and session.last_step else 1
@@ -493,8 +498,9 @@ class Recorder:
                 data = {"turn": turn, "step": number, "message": item.message}
                 await writer.emit("assistant/message", data, **surface)
                 for c in item.calls:
-                    event = await writer.emit("tool/call", {"turn": turn, "step": number, "callId": c["id"],
-                                                            "name": c["name"], "arguments": c["arguments"]})  # fmt: skip
+                    call_data = {"turn": turn, "step": number, "callId": c["id"], "name": c["name"],
+                                 "arguments": c["arguments"]}  # fmt: skip
+                    event = await writer.emit("tool/call", call_data)
                     calls[c["id"]] = event.seq
             else:
                 await self._tool_result(writer, turn, number, item, calls.get(item.call_id))
@@ -517,7 +523,7 @@ class Recorder:
         divergence = compare_request({**fields, "messages": msgspec.Raw(expected)}, messages, header, cache=cache)
         if divergence is not None:
             raise divergence.error()
-        transport = {k: fields[k] for k in ("stream", "stream_options") if k in fields}
+        transport: dict[str, Any] = {k: fields[k] for k in ("stream", "stream_options") if k in fields}
         body = checked_body({**cache.expected_fields(header)[1], **transport}, expected)
         call.derivation = Derivation(
             session_id=call.session_id,
@@ -614,7 +620,9 @@ class _Exchange:
                 try:
                     self.assembler.completion(msgspec.json.decode(body))
                 except msgspec.DecodeError:
-                    await self._close("error", {"message": "the provider's answer is not JSON", "code": "UPSTREAM_ERROR"})
+                    await self._close(
+                        "error", {"message": "the provider's answer is not JSON", "code": "UPSTREAM_ERROR"}
+                    )
                     return
             else:
                 for chunk in self.assembler.end():

@@ -15,8 +15,8 @@ A script is a JSON array or JSONL file of replies, used in order (`cycle` repeat
 - `status` and `error`: answer that HTTP status with an OpenAI-style error instead;
 - `disconnect_after`: drop the connection after that many streamed chunks.
 
-When the script is used up the provider answers 500 "script exhausted". `GET /v1/models` lists its one model; `GET /_scripted/requests` returns the
-bodies received; `POST /_scripted/script` replaces the script.
+When the script is used up the provider answers 500 "script exhausted". `GET /v1/models` lists its one model;
+`GET /_scripted/requests` returns the bodies received; `POST /_scripted/script` replaces the script.
 """
 
 from __future__ import annotations

@@ -23,8 +23,10 @@ from scaffold import Opened, eventually
 from services.gateway import GatewayConfig, ScriptedProvider, ServerThread, UpstreamConfig, build_app
 from services.repairer.service import RepairerService
 from sessionlog.audit import RawAssembler, audit_session
+from sessionlog.cli import main as cli_main
 from sessionlog.embedded import free_port
 from sessionlog.errors import SessionLogError
+from sessionlog.jsonl import read_jsonl
 from sessionlog.log import SessionLog
 from sessionlog.session import Session
 from sessionlog.settings import Settings
@@ -522,3 +524,71 @@ async def test_a_gateway_killed_mid_stream_leaves_an_open_turn_that_the_repairer
     closers = [e.type for e in list(session)[length:]]
     assert closers == ["step/end", "turn/end"]
     assert msgspec.json.decode(session[len(session) - 1].raw)["data"]["reason"] == {"kind": "interrupted"}
+
+
+# ---------------------------------------------------------------------------------------------- the tools on the result
+
+
+async def cli(monkeypatch: pytest.MonkeyPatch, settings: Settings, *argv: str) -> int:
+    monkeypatch.setenv("SESSIONLOG_NATS_URL", settings.nats_url or "")
+    return await asyncio.to_thread(cli_main, list(argv))
+
+
+async def test_export_check_derive_transcript_and_audit_agree_with_what_the_provider_received(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    provisioned: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    sid = new_session_id("rec")
+    await two_turns(http, gateway, provider, sid)
+    provider.load([{"text": "Third answer.", "usage": {"prompt_tokens": 30, "completion_tokens": 2}}])
+    compacted = [SYSTEM, {"role": "user", "content": "Summary."}, {"role": "user", "content": "Third question?"}]
+    assert (await complete(http, gateway, sid, {"model": "scripted-model", "messages": compacted})).status_code == 200
+    await raw_exchanges(log, provisioned, sid, 3)
+    out = tmp_path / "rec.jsonl"
+    assert await cli(monkeypatch, provisioned, "export", sid, "-o", str(out)) == 0
+    assert await cli(monkeypatch, provisioned, "check", str(out)) == 0
+    assert "ok: " in capfd.readouterr().out
+    session = Session(read_jsonl(out).events)
+    requests = theorem_requests(session)
+    assert [canonical(r) for r in requests] == [canonical(without_transport(b)) for b in provider.received]
+    answer = next(e.seq for e in reversed(list(session)) if e.type == "assistant/message")
+    assert await cli(monkeypatch, provisioned, "derive", str(out), "--at", str(answer - 1)) == 0
+    derived = msgspec.json.decode(capfd.readouterr().out)
+    texts = [block["text"] for message in derived for block in message["content"]]
+    assert texts == [m["content"] for m in compacted[1:]]  # what the provider received, message for message
+    assert await cli(monkeypatch, provisioned, "transcript", str(out), "--json") == 0
+    shown = capfd.readouterr().out
+    assert "First question?" in shown and "Second answer." in shown  # the compaction erased nothing
+    assert await cli(monkeypatch, provisioned, "audit", sid, "--local", "--json") == 0
+    report = msgspec.json.decode(capfd.readouterr().out)
+    assert report["findings"] == [] and report["ledger_difference"] == []
+    assert report["provider_ledger"]["total"]["requests"] == 3 == report["ledger"]["total"]["requests"]
+
+
+async def test_audit_exits_non_zero_when_there_are_findings(
+    log: SessionLog, provisioned: Settings, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    writer = await log.create(new_session_id("bad"))
+    try:
+        await writer.emit("turn/start", {"turn": 1})
+        await writer.emit("step/start", {"turn": 1, "step": 1})
+        for chunk in ({"type": "block-start", "index": 0, "blockType": "text"},
+                      {"type": "text-delta", "index": 0, "text": "streamed"},
+                      {"type": "finish", "reason": {"kind": "stop"}}):  # fmt: skip
+            await writer.emit("assistant/chunk", {"turn": 1, "step": 1, "chunk": chunk})
+        message = {"id": "a1", "role": "assistant", "source": {"kind": "model"},
+                   "content": [{"type": "text", "text": "something else"}]}  # fmt: skip
+        await writer.emit("assistant/message", {"turn": 1, "step": 1, "message": message}, surface_op="append",
+                          source_event_seqs=[2, 3, 4])  # fmt: skip
+        await writer.emit("step/end", {"turn": 1, "step": 1})
+        await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}})
+    finally:
+        await writer.close()
+    assert await cli(monkeypatch, provisioned, "audit", writer.session_id, "--local") == 1
+    assert "MESSAGE_DIFFERS_FROM_CHUNKS" in capfd.readouterr().out

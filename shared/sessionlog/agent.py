@@ -153,4 +153,3 @@ class Agent:
                 break
         await self.end_turn({"kind": "completed"})
         return answer
-

@@ -82,6 +82,7 @@ from .record import (
 )
 from .session import DerivedMessages, FoldedHeader, Session
 from .wire import WireCache, compare_request
+from .wireforms import OPENAI_FINISH, usage_of
 
 MESSAGE_DIFFERS: Final = "MESSAGE_DIFFERS_FROM_CHUNKS"
 PROVENANCE_UNCOVERED: Final = "PROVENANCE_DOES_NOT_COVER_CHUNKS"
@@ -100,12 +101,14 @@ FINDING_CODES: Final = (
 
 COMPLETE_OUTCOME: Final = "complete"
 _PARTIAL_FINISHES: Final = frozenset({"max-tokens", "error"})
-_OPENAI_FINISH: Final = {
-    "stop": "stop",
-    "tool_calls": "tool-calls",
-    "length": "max-tokens",
-    "function_call": "tool-calls",
-}
+_OPENAI_FINISH: Final = OPENAI_FINISH
+
+
+class _RawModel(Struct):
+    model: Any = None
+
+
+_raw_model_decoder: Final = msgspec.json.Decoder(_RawModel)
 
 
 _BLOCK_TYPES: Final = {"TextBlock": "text", "ReasoningBlock": "reasoning", "ToolCallBlock": "tool-call"}
@@ -189,6 +192,10 @@ class AuditReport(Struct, frozen=True):
     findings: list[Finding]
     raw_exchanges: int
     raw_matched: int
+    # every exchange the provider answered (HTTP 200), counted from the raw tee, by the model it was sent; beside
+    # the log's ledger, and what differs between the two, in words
+    provider_ledger: Ledger | None = None
+    ledger_difference: list[str] = msgspec.field(default_factory=list)
 
 
 def _or0(value: int | Any) -> int:
@@ -646,6 +653,8 @@ class SessionAuditor:
         self._unstreamed: list[Event] = []  # messages that took no attempt
         self._totals = TokenCounts()
         self._by_model: dict[tuple[str, str], TokenCounts] = {}
+        self._raw_totals = TokenCounts()
+        self._raw_by_model: dict[tuple[str, str], TokenCounts] = {}
         self._wire = WireCache()
 
     # ------------------------------------------------------------------------------------------ feeding
@@ -935,9 +944,49 @@ class SessionAuditor:
             return
         self._seen_raw.add(exchange.request_id)
         self.raw_exchanges += 1
+        if exchange.status == 200:
+            self._count_raw(exchange)
         self._pending.append(exchange)
         self._pending.sort(key=lambda x: x.session_seq)
         self._match_pending()
+
+    def _count_raw(self, exchange: RawExchange) -> None:
+        """The provider ledger: one request per answered exchange, its tokens from the usage the provider sent."""
+        try:
+            model = _raw_model_decoder.decode(exchange.request).model if exchange.request else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            model = None
+        name = model if isinstance(model, str) and model else "unknown"
+        name = next((logged for logged, sent in self.model_aliases.items() if sent == name), name)
+        reported = usage_of(parse_raw_response(exchange.response).usage)
+        counts = self._raw_by_model.setdefault(("raw", name), TokenCounts())
+        for target in (self._raw_totals, counts):
+            if reported is not None:
+                target.add(msgspec.convert(reported, Usage))
+            else:
+                target.count_request()
+
+    def provider_ledger(self) -> Ledger:
+        by_model = [
+            ModelTokens(provider=p, model=m, tokens=msgspec.structs.replace(c))
+            for (p, m), c in sorted(self._raw_by_model.items())
+        ]
+        return Ledger(total=msgspec.structs.replace(self._raw_totals), by_model=by_model)
+
+    def ledger_difference(self, logged: Ledger) -> list[str]:
+        """What the provider was seen to answer (raw tee) and the log does not hold, or the reverse, in words."""
+        if not self.raw_exchanges:
+            return []
+        raw, mine = self._raw_totals, logged.total
+        out = []
+        for what, theirs, ours in (
+            ("requests", raw.requests, mine.requests),
+            ("input tokens", raw.input_tokens, mine.input_tokens),
+            ("output tokens", raw.output_tokens, mine.output_tokens),
+        ):
+            if theirs != ours:
+                out.append(f"{what}: the provider answered {theirs:,} (raw tee), the log holds {ours:,}")
+        return out
 
     def _attempt_after(self, seq: int) -> tuple[_Step | None, Attempt | None]:
         """The step open at `seq` and its first unmatched attempt that began after it."""
@@ -1103,16 +1152,19 @@ class SessionAuditor:
         )
 
     def report(self) -> AuditReport:
+        ledger = self.ledger()
         return AuditReport(
             session=self.session_id,
             seq=self.events - 1,
             events=self.events,
             chunks=self.chunks,
             steps=len(self.steps),
-            ledger=self.ledger(),
+            ledger=ledger,
             findings=list(self.findings),
             raw_exchanges=self.raw_exchanges,
             raw_matched=self.raw_matched,
+            provider_ledger=self.provider_ledger() if self.raw_exchanges else None,
+            ledger_difference=self.ledger_difference(ledger),
         )
 
 

@@ -592,3 +592,41 @@ async def test_audit_exits_non_zero_when_there_are_findings(
         await writer.close()
     assert await cli(monkeypatch, provisioned, "audit", writer.session_id, "--local") == 1
     assert "MESSAGE_DIFFERS_FROM_CHUNKS" in capfd.readouterr().out
+
+
+async def test_a_second_replica_takes_an_idle_session_over_and_is_refused_a_busy_one(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provisioned: Settings,
+    provider_server: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+) -> None:
+    sid = new_session_id("rec")
+    settings = record_settings(provisioned)
+    with ServerThread(build_app(settings, record_config(settings, provider_server.url))) as replica:
+        provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "done", "delay_s": 1.0}, {"text": "after"}])
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "read"}]
+        body = {"model": "scripted-model", "tools": TOOLS}
+        first = await complete(http, gateway, sid, {**body, "messages": messages})
+        assert first.status_code == 200, first.text
+        # the turn is open (a tool call is pending) and the first replica holds the session; the second asks for it
+        messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "x"}]
+        slow = asyncio.ensure_future(complete(http, replica, sid, {**body, "messages": messages}))
+
+        async def provider_has_it() -> bool:
+            return len(provider.received) == 2
+
+        await eventually(provider_has_it, "the second request reaching the provider through the replica")
+        busy = await complete(http, gateway, sid, {**body, "messages": messages})  # the replica is answering
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "SESSION_BUSY"
+        second = await slow
+        assert second.status_code == 200, second.text
+        messages += [second.json()["choices"][0]["message"], {"role": "user", "content": "and now?"}]
+        back = await complete(http, gateway, sid, {**body, "messages": messages})  # and back to the first replica
+        assert back.status_code == 200, back.text
+    session = await load(log, sid)
+    assert types(session).count("turn/end") == 2 and not any(e.is_replace for e in session)
+    assert [canonical(r) for r in theorem_requests(session)] == [
+        canonical(without_transport(b)) for b in provider.received
+    ]

@@ -181,7 +181,9 @@ class Recorder:
         """Another replica asks for a session: let it go unless a request is in flight."""
         session_id = msg.subject[len(RELEASE_PREFIX) :]
         held = self._held.get(session_id)
-        if held is not None and held.busy:
+        if held is None or held.writer is None:
+            return  # not the holder (the asking replica hears its own question too): only the holder answers
+        if held.busy:
             answer = b"busy"
         else:
             await self._let_go(session_id)

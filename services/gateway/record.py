@@ -103,6 +103,7 @@ class _Held:
     # the generation its messages were all logged in: the next request that starts with those bytes (an agent's
     # next request repeats its context) is matched from there, so a request costs O(new messages).
     memo: tuple[bytes, int, int, dict[str, Any] | None, int] | None = None
+    header: tuple[bytes, bytes] | None = None  # the folded header's bytes and their canonical form
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -346,7 +347,9 @@ class Recorder:
         fields = {k: v for k, v in parsed.items() if k != "messages"}
         header = request_header(fields, provider=self.gateway.record_provider, system=system)
         folded = session.fold_request_header()
-        header_changed = folded is None or canonical(header) != canonical(folded.to_builtins())
+        if folded is not None and (held.header is None or held.header[0] != folded.raw):
+            held.header = (folded.raw, canonical(folded.to_builtins()))
+        header_changed = folded is None or held.header is None or canonical(header) != held.header[1]
         if p < len(derived):
             if self.history_edits == "refuse":
                 offset = 1 if client.system is not None else 0

@@ -317,7 +317,7 @@ async def test_a_client_compaction_is_logged_as_a_replacement_with_provenance_an
 
 
 async def test_a_truncation_and_an_edited_tool_result_are_logged_without_splitting_a_tool_pair(
-    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, provisioned: Settings
 ) -> None:
     sid = new_session_id("rec")
     provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "It says hello."}, {"text": "Again."}])
@@ -337,6 +337,10 @@ async def test_a_truncation_and_an_edited_tool_result_are_logged_without_splitti
     sent = without_transport(provider.received[-1])["messages"]
     assert [m["role"] for m in sent] == ["user", "assistant", "tool"] and sent[2]["content"] == "hel…"
     assert session.open_turn is None
+    assert msgspec.json.decode(replace.raw)["data"]["message"]["source"]["kind"] == "client"  # not a new answer
+    report = audit_session(session, await raw_exchanges(log, provisioned, sid, 3), session_id=sid).report()
+    assert report.findings == [] and report.raw_matched == 3
+    assert report.ledger.total.requests == 3 and report.ledger_difference == []
 
 
 async def test_the_refuse_policy_refuses_a_history_edit_and_the_provider_receives_nothing(

@@ -104,6 +104,7 @@ class _Held:
     # next request repeats its context) is matched from there, so a request costs O(new messages).
     memo: tuple[bytes, int, int, dict[str, Any] | None, int] | None = None
     header: tuple[bytes, bytes] | None = None  # the folded header's bytes and their canonical form
+    dirty: bool = False  # events of a request are queued but not flushed: a failure now must not publish them
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -224,7 +225,7 @@ class Recorder:
             exchange = await self._log_request(call, held, writer, parsed)
         except SessionLogError as err:
             if held is not None:
-                self._free(call.session_id, held, broken=isinstance(err, Conflict))
+                self._free(call.session_id, held, broken=isinstance(err, Conflict) or held.dirty)
             return gateway.refuse(call, err)
         except BaseException:
             if held is not None:
@@ -365,8 +366,9 @@ class Recorder:
                 None,
                 [self._to_log(m, client.known + i) for i, m in enumerate(client.tail[p - client.known :])],
             )
-        await self._write(writer, new, start, header if header_changed else None, folded is None)
+        await self._write(held, writer, new, start, header if header_changed else None, folded is None)
         await writer.flush()
+        held.dirty = False
         session = writer.session
         held.memo = (client.raw, len(client.raw.rstrip()) - 1, client.count, client.system, session.generation)
         return self._exchange(call, held, writer, fields)
@@ -393,13 +395,17 @@ class Recorder:
 
     @staticmethod
     def _relog(derived: DerivedMessage) -> _New:
-        """A message the client kept, logged again (in a replacement's range) from the logged bytes."""
+        """A message the client kept, logged again (in a replacement's range) from the logged bytes. An assistant
+        message's source becomes `client` (with `relogOf`, the seq it repeats): the client supplied it in this
+        request, and the audit must not take it for a new answer of the model."""
         message = msgspec.json.decode(derived.raw)
         message["id"] = _new_id("relog")
         blocks = derived.message.content
         results = [b for b in blocks if isinstance(b, ToolResultBlock)]
         if results:
             return _New("tool", message, [], results[0].tool_call_id)
+        if derived.message.role == "assistant":
+            message["source"] = {"kind": "client", "relogOf": derived.seq}
         calls = [{"id": b.id, "name": b.name, "arguments": b.arguments} for b in blocks if isinstance(b, ToolCallBlock)]
         return _New(derived.message.role, message, calls)
 
@@ -443,12 +449,14 @@ class Recorder:
         nodes = session.surface.nodes
         start, end = derived[s].seq, nodes[-1]
         plan = session.surface.plan_replace(len(session), ReplaceOp(start=start, end=end))
-        new = [self._relog(derived[i]) if i < client.known else self._to_log(client.tail[i - client.known], i)
+        # Messages before the first difference are logged again from the log's own bytes (reasoning included).
+        new = [self._relog(derived[i]) if i < p else self._to_log(client.tail[i - client.known], i)
                for i in range(s, count)]  # fmt: skip
         return (start, end, sorted(plan.shadowed)), new
 
     async def _write(
         self,
+        held: _Held,
         writer: SessionWriter,
         new: list[_New],
         replace: tuple[int, int, list[int]] | None,
@@ -475,6 +483,9 @@ class Recorder:
                     f"request {PHRASE} at $.messages: a tool message answers call {item.call_id!r}, which no "
                     "assistant message of the open step or of this request made"
                 )
+        # From here on events are queued: if one is refused (a rule this plan did not foresee), the writer is
+        # abandoned before its queue is published, so the log keeps nothing of this request.
+        held.dirty = True
         turn = session.open_turn
         if turn is None:
             turn = session.last_turn + 1

@@ -48,14 +48,21 @@ from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from sessionlog.errors import Conflict, DerivationDiverges, SessionAlreadyExists, SessionLogError, SessionNotFound
+from sessionlog.errors import (
+    Conflict,
+    DerivationDiverges,
+    InvalidRequest,
+    SessionAlreadyExists,
+    SessionLogError,
+    SessionNotFound,
+)
 from sessionlog.events import ToolCallBlock, ToolResultBlock
 from sessionlog.ids import check_session_id
 from sessionlog.leases import LeaseHeld
 from sessionlog.log import SessionWriter
 from sessionlog.session import DerivedMessage, Session
 from sessionlog.surface import ReplaceOp
-from sessionlog.wire import PHRASE, InvalidRequest, WireCache, checked_body, compare_request, parse_request
+from sessionlog.wire import PHRASE, WireCache, compare_request, parse_request
 from sessionlog.wireforms import (
     ResponseAssembler,
     SseLines,
@@ -232,7 +239,7 @@ class Recorder:
                 self._free(call.session_id, held, broken=True)
             raise
         try:
-            return await gateway.forward_recorded(request, call, exchange.body, exchange)
+            return await gateway.forward_recorded(request, call, exchange.fields, exchange.messages, exchange)
         except BaseException as exc:
             _detach(exchange.ended("upstream_error", 500, message=f"{type(exc).__name__}: {exc}"))
             raise
@@ -284,7 +291,7 @@ class Recorder:
             header = await log_.header(session_id)
             try:
                 if header is None:
-                    held.writer = await log_.create(session_id, origin="gateway-record", tenant=held.tenant)
+                    held.writer = await log_.create(session_id, tenant=held.tenant)
                 else:
                     if _tenant_of(header) != held.tenant:
                         raise SessionNotFound(f"session {session_id} not found")
@@ -540,7 +547,7 @@ class Recorder:
         if divergence is not None:
             raise divergence.error()
         transport: dict[str, Any] = {k: fields[k] for k in ("stream", "stream_options") if k in fields}
-        body = checked_body({**cache.expected_fields(header)[1], **transport}, expected)
+        forwarded = {**cache.expected_fields(header)[1], **transport}
         call.derivation = Derivation(
             session_id=call.session_id,
             seq=len(session) - 1,
@@ -551,7 +558,9 @@ class Recorder:
             source="record",
         )
         call.stream = fields.get("stream") is True
-        return _Exchange(self, call.session_id, held, writer, body, session.open_turn or 0, session.open_step.number)
+        return _Exchange(
+            self, call.session_id, held, writer, forwarded, expected, session.open_turn or 0, session.open_step.number
+        )
 
 
 def _is_result(derived: DerivedMessage) -> bool:
@@ -582,13 +591,22 @@ class _Exchange:
     """One recorded request's response, logged as it is relayed (the gateway's forwarding calls these)."""
 
     def __init__(
-        self, recorder: Recorder, session_id: str, held: _Held, writer: SessionWriter, body: bytes, turn: int, step: int
+        self,
+        recorder: Recorder,
+        session_id: str,
+        held: _Held,
+        writer: SessionWriter,
+        fields: dict[str, Any],
+        messages: bytes,
+        turn: int,
+        step: int,
     ) -> None:
         self.recorder = recorder
         self.session_id = session_id
         self.held = held
         self.writer = writer
-        self.body = body
+        self.fields = fields  # what the provider receives: the header's fields, the transport fields
+        self.messages = messages  # and the derivation's canonical messages
         self.turn = turn
         self.step = step
         self.sse = SseLines()

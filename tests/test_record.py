@@ -634,3 +634,44 @@ async def test_a_second_replica_takes_an_idle_session_over_and_is_refused_a_busy
     assert [canonical(r) for r in theorem_requests(session)] == [
         canonical(without_transport(b)) for b in provider.received
     ]
+
+
+async def test_a_tool_loop_interrupted_by_a_gateway_restart_goes_on_with_the_real_result_as_an_edit(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provisioned: Settings,
+    provider_server: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    url: str,
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "It says hello."}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Read my notes"}]
+    body = {"model": "scripted-model", "tools": TOOLS}
+    settings = record_settings(provisioned, lease_ttl_s=1)
+    with ServerThread(build_app(settings, record_config(settings, provider_server.url))) as restarting:
+        first = await complete(http, restarting, sid, {**body, "messages": messages})
+        assert first.status_code == 200, first.text
+    # that gateway stopped (its sessions let go) while the client ran the tool; the repairer closes the open turn
+    async with Opened(url, lease_ttl_s=1, repair_grace_s=0.3) as opened:
+        service = opened.keep_service(RepairerService(await opened.connect()))
+        await service.start()
+
+        async def closed() -> bool:
+            return (await load(log, sid)).open_turn is None
+
+        await eventually(closed, "the repairer closing the tool loop's turn")
+    messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]
+    second = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert second.status_code == 200, second.text
+    session = await load(log, sid)
+    synthetic = next(e for e in session if e.type == "tool/result")
+    assert msgspec.json.decode(synthetic.raw)["data"]["error"]["code"] == "TOOL_OUTCOME_UNKNOWN"
+    replace = next(e for e in session if e.is_replace)
+    assert synthetic.seq in replace.source_event_seqs
+    assert without_transport(provider.received[-1])["messages"][-1] == {
+        "role": "tool", "tool_call_id": "call_1", "content": "hello"
+    }  # fmt: skip
+    assert synthetic.seq in [e.seq for e in session.transcript()]  # what happened stays in the transcript
+    assert session.open_turn is None and session.generation == 1

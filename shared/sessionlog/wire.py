@@ -28,13 +28,15 @@ The rest of the request comes from the folded header:
   value counts as absent (a JavaScript `undefined` that reached the log). `adapterDefaults` only says which values
   the adapter filled in; the values themselves are in `config`.
 - `header.tools` (when not empty) become `[{"type": "function", "function": {"name", "description",
-  "parameters"}}]`, `description` and `parameters` only when the tool has them.
+  "parameters", "strict"}}]`, `description`, `parameters` and `strict` only when the tool has them.
 
 The comparison is on canonical JSON (sorted keys, compact separators, UTF-8). The `messages` array, system message
 included, is compared as a whole: any difference there is `DERIVATION_DIVERGES`. Every other request field must
 equal what the header gives, so a `tool_choice`, `seed` or `response_format` that the log does not hold is
-`HEADER_DIVERGES`; only the transport fields (`stream`, `stream_options`) are left out of the comparison. Numbers
-compare as JSON does after canonicalisation: `1` and `1.0` differ, as they do on the wire.
+`HEADER_DIVERGES`; only the transport fields (`stream`, `stream_options`) are left out of the comparison. When the
+bytes differ, the request is compared again under `sessionlog.wireforms`' equivalence (null content, text-part
+arrays, a tool message's `name`, `1.0` for `1`): only what really differs is refused. Dropped reasoning is a
+difference here (the client wrote the log itself); record mode, whose client did not, accepts it.
 
 Speed: a `WireCache` (one per session) keeps the canonical wire fragment of every surface node (keyed by the logged
 message bytes, so a message is converted and encoded once) and the joined `messages` bytes of the last derivation it

@@ -675,3 +675,24 @@ async def test_a_tool_loop_interrupted_by_a_gateway_restart_goes_on_with_the_rea
     }  # fmt: skip
     assert synthetic.seq in [e.seq for e in session.transcript()]  # what happened stays in the transcript
     assert session.open_turn is None and session.generation == 1
+
+
+async def test_a_changed_field_is_a_new_request_header_and_1_for_1_0_is_no_change(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "a"}, {"text": "b"}, {"text": "c"}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "one"}]
+    for temperature in (1.0, 1, 0.5):  # a Node client sends 1 where Python sent 1.0: the same value
+        response = await complete(http, gateway, sid, {"model": "scripted-model", "temperature": temperature,
+                                                       "response_format": {"type": "text"}, "messages": messages})  # fmt: skip
+        assert response.status_code == 200, response.text
+        messages += [response.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+    session = await load(log, sid)
+    headers = [msgspec.json.decode(e.raw)["data"] for e in session if e.type == "request/header"]
+    assert [h["reason"] for h in headers] == ["initial", "change"]
+    assert [h["header"]["config"]["temperature"] for h in headers] == [1.0, 0.5]
+    assert headers[0]["header"]["config"]["responseFormat"] == {"type": "text"}
+    sent = [without_transport(b) for b in provider.received]
+    assert [r["temperature"] for r in sent] == [1.0, 1.0, 0.5] and sent[1]["response_format"] == {"type": "text"}
+    assert type(sent[1]["temperature"]) is float  # the logged value, not the client's `1`

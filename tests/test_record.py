@@ -684,8 +684,8 @@ async def test_a_changed_field_is_a_new_request_header_and_1_for_1_0_is_no_chang
     provider.load([{"text": "a"}, {"text": "b"}, {"text": "c"}])
     messages: list[dict[str, Any]] = [{"role": "user", "content": "one"}]
     for temperature in (1.0, 1, 0.5):  # a Node client sends 1 where Python sent 1.0: the same value
-        response = await complete(http, gateway, sid, {"model": "scripted-model", "temperature": temperature,
-                                                       "response_format": {"type": "text"}, "messages": messages})  # fmt: skip
+        body = {"model": "scripted-model", "temperature": temperature, "response_format": {"type": "text"}}
+        response = await complete(http, gateway, sid, {**body, "messages": messages})
         assert response.status_code == 200, response.text
         messages += [response.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
     session = await load(log, sid)

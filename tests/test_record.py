@@ -696,3 +696,26 @@ async def test_a_changed_field_is_a_new_request_header_and_1_for_1_0_is_no_chang
     sent = [without_transport(b) for b in provider.received]
     assert [r["temperature"] for r in sent] == [1.0, 1.0, 0.5] and sent[1]["response_format"] == {"type": "text"}
     assert type(sent[1]["temperature"]) is float  # the logged value, not the client's `1`
+
+
+async def test_a_client_that_hangs_up_right_after_the_last_line_gets_a_completed_turn(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "short answer"}])
+    body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with http.stream("POST", base(gateway, sid) + "/chat/completions", json=body) as response:
+        seen = b""
+        async for data in response.aiter_bytes():
+            seen += data
+            if b"[DONE]" in seen:
+                break  # as SDKs may: stop at [DONE] and close
+
+    async def ended() -> bool:
+        return any(e.type == "turn/end" for e in await load(log, sid))
+
+    await eventually(ended, "the turn ended")
+    session = await load(log, sid)
+    end = [e for e in session if e.type == "turn/end"][-1]
+    assert msgspec.json.decode(end.raw)["data"]["reason"] == {"kind": "completed"}
+    assert [e.type for e in session][-3:] == ["assistant/message", "step/end", "turn/end"]

@@ -535,7 +535,8 @@ class Gateway:
                 if observer is not None:
                     await observer.relayed(chunk)
             if observer is not None:  # logged before the response ends: the session is free when the client is
-                await observer.ended("forwarded", 200)
+                # shielded: a client that hangs up after the last line must not cut the logging of its end short
+                await asyncio.shield(asyncio.ensure_future(observer.ended("forwarded", 200)))
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "client_disconnected"
             self.metrics.client_disconnects.inc()

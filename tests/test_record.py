@@ -719,3 +719,38 @@ async def test_a_client_that_hangs_up_right_after_the_last_line_gets_a_completed
     end = [e for e in session if e.type == "turn/end"][-1]
     assert msgspec.json.decode(end.raw)["data"]["reason"] == {"kind": "completed"}
     assert [e.type for e in session][-3:] == ["assistant/message", "step/end", "turn/end"]
+
+
+@pytest.mark.parametrize(
+    ("message", "status", "code"),
+    [
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}}]}, 422,
+         "UNSUPPORTED_CONTENT"),
+        ({"role": "tool", "tool_call_id": "call_nobody_made", "content": "x"}, 409, "DERIVATION_DIVERGES"),
+        ({"role": "developer", "content": "be terse"}, 422, "UNSUPPORTED_CONTENT"),
+        ({"content": "no role"}, 422, "UNSUPPORTED_CONTENT"),
+    ],
+    ids=["image-part", "tool-result-without-call", "developer-role", "no-role"],
+)  # fmt: skip
+async def test_what_cannot_be_logged_is_refused_and_leaves_the_log_and_the_provider_untouched(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    message: dict[str, Any],
+    status: int,
+    code: str,
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "first"}, {"text": "never"}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+    first = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert first.status_code == 200
+    before = [e.raw for e in await load(log, sid)]
+    messages += [first.json()["choices"][0]["message"], message]
+    refused = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert refused.status_code == status and refused.json()["error"]["code"] == code, refused.text
+    assert refused.headers["x-should-retry"] == "false"
+    assert [e.raw for e in await load(log, sid)] == before and len(provider.received) == 1
+    messages[-1] = {"role": "user", "content": "fine"}  # the session goes on
+    assert (await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})).status_code == 200

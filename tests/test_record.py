@@ -754,3 +754,26 @@ async def test_what_cannot_be_logged_is_refused_and_leaves_the_log_and_the_provi
     assert [e.raw for e in await load(log, sid)] == before and len(provider.received) == 1
     messages[-1] = {"role": "user", "content": "fine"}  # the session goes on
     assert (await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})).status_code == 200
+
+
+async def test_an_idle_session_is_let_go_and_its_lease_released(
+    http: httpx.AsyncClient, provisioned: Settings, provider_server: ServerThread, provider: ScriptedProvider,
+    log: SessionLog,
+) -> None:  # fmt: skip
+    sid = new_session_id("rec")
+    settings = record_settings(provisioned, gateway_record_idle_s=1.0)
+    with ServerThread(build_app(settings, record_config(settings, provider_server.url))) as short_lived:
+        provider.load([{"text": "hi"}])
+        body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+        assert (await complete(http, short_lived, sid, body)).status_code == 200
+        assert await log.leases.current(sid) is not None  # held between requests
+
+        async def released() -> bool:
+            return await log.leases.current(sid) is None
+
+        await eventually(released, "the idle session's lease released")
+        provider.load([{"text": "again"}])
+        follow = [*body["messages"], {"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
+        again = await complete(http, short_lived, sid, {"model": "scripted-model", "messages": follow})
+        assert again.status_code == 200, again.text  # taken up again from the log
+        assert not any(e.is_replace for e in await load(log, sid))

@@ -58,6 +58,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"),
 
 GATEWAY_KEY = f"gw-key-{uuid.uuid4().hex}"
 PROVIDER_KEY = f"sk-provider-{uuid.uuid4().hex}"
+HEADER_WRITERS = ("writer", "gateway")  # roles that put session headers (the gateway in record mode)
+# A permission the code needs and deploy/ lacks, found by this suite after issue 11's merge (rel-findings 8): its own
+# xfail test below; the other tests look past it.
+KNOWN_VIOLATION = "$JS.API.CONSUMER.CREATE.KV_sessionlog-checkpoints"  # by any projection
 MARKUP = "<script>window.__pwned=1</script>\"><img src=x onerror=alert(1)>&lt;'javascript:alert(2)"
 
 
@@ -143,21 +147,22 @@ async def test_no_role_but_the_admin_can_purge_a_session(
     finally:
         await nc.close()
     assert len(await admin.reader.events(session_id)) == seq + 1, f"{role}: the session's records are untouched"
-    if role != "writer":  # the writer's case is the test below
+    if role not in HEADER_WRITERS:  # their case is the test below
         assert await admin.header(session_id) is not None, f"{role}: the session's header is untouched"
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="known gap (no owner yet, /work/notes/rel-findings.md 4): the writer must put session headers, and NATS "
-    "permissions cannot tell a KV put from a KV purge (both publish to $KV.<bucket>.<id>), so a writer can erase "
-    "any session's header (its records stay)",
+    reason="known gap (no owner yet, /work/notes/rel-findings.md 4): the writer and, in record mode, the gateway put "
+    "session headers, and NATS permissions cannot tell a KV put from a KV purge (both publish to $KV.<bucket>.<id>), "
+    "so either can erase any session's header of its account (its records stay)",
 )
-async def test_a_writer_cannot_purge_a_sessions_header(
-    server: EmbeddedServer, admin: SessionLog, writer_log: SessionLog
+@pytest.mark.parametrize("role", HEADER_WRITERS)
+async def test_a_header_writer_cannot_purge_a_sessions_header(
+    server: EmbeddedServer, admin: SessionLog, writer_log: SessionLog, role: str
 ) -> None:
     session_id, seq = await tool_session(writer_log)
-    nc, _ = await connect_as(server.url, "writer")
+    nc, _ = await connect_as(server.url, role)
     try:
         await nc.publish(
             f"$KV.{admin.settings.kv_sessions}.{session_id}",
@@ -217,7 +222,33 @@ async def test_the_admins_purge_is_forgotten_by_every_projection_under_its_own_u
         kept = await answers(keep, keep_seq)
         assert isinstance(kept["derive"], dict) and kept["ui"] == 200, "the other session is untouched"
     assert await admin.reader.events(session_id) == []
-    assert violations(server, since=mark) == [], "the services needed nothing more"
+    assert [v for v in violations(server, since=mark) if v[2] != KNOWN_VIOLATION] == [], "they needed nothing more"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 11 (wt-iso's runner, after its merge): projections ask for a consumer on "
+    "KV_sessionlog-checkpoints, which deploy/'s accounts do not grant it; see /work/notes/rel-findings.md",
+)
+async def test_a_projection_under_its_own_user_needs_no_permission_deploy_lacks(
+    server: EmbeddedServer, admin: SessionLog, writer_log: SessionLog
+) -> None:
+    session_id, _ = await tool_session(writer_log)
+    mark = log_mark(server)
+    async with serving(server.url, "context-deriver", allow_purge=True) as (service, _):
+
+        async def held() -> bool:
+            return session_id in service.runner.states or bool(await service.runner.state(session_id))
+
+        await eventually(held, "the deriver holds the session")
+        await admin.purge(session_id)
+
+        async def forgotten() -> bool:
+            return session_id not in service.runner.states
+
+        await eventually(forgotten, "the deriver forgets the purged session")
+        await asyncio.sleep(1.5)  # a checkpoint round
+    assert violations(server, "context-deriver", since=mark) == []
 
 
 # ================================================================================================ gateway key, secrets
@@ -397,27 +428,26 @@ def strings_in(value: Any) -> list[str]:
 # ================================================================================================ tenants
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tenant keys and per-tenant sessions come with the gateway's record mode (issue 11, wt-record), not on "
-    "main yet",
-)
 async def test_a_tenants_key_cannot_reach_another_tenants_session(
-    server: EmbeddedServer, provider_url: tuple[Any, str]
+    server: EmbeddedServer, admin: SessionLog, provider_url: tuple[Any, str]
 ) -> None:
-    _, upstream = provider_url
+    """Record mode under deploy/'s gateway user: tenant a's key makes a session, tenant b's key cannot reach it."""
+    provider, upstream = provider_url
     key_a, key_b = f"tenant-a-{uuid.uuid4().hex}", f"tenant-b-{uuid.uuid4().hex}"
     keys = {hashlib.sha256(key_a.encode()).hexdigest(): "a", hashlib.sha256(key_b.encode()).hexdigest(): "b"}
-    async with serving(server.url, "gateway", allow_purge=True, provider_base_url=upstream, gateway_keys=keys) as (
-        service,
-        _,
-    ):
-        url = f"http://127.0.0.1:{service.config.port}/v1/chat/completions"
+    mark = log_mark(server)
+    overrides = {"provider_base_url": upstream, "gateway_keys": keys}
+    async with serving(server.url, "gateway", allow_purge=True, **overrides) as (service, _):
         session_id = new_id("tenant")
+        url = f"http://127.0.0.1:{service.config.port}/record/{session_id}/v1/chat/completions"
         body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+        before = len(provider.received)
         async with httpx.AsyncClient(timeout=10) as http:
-            mine = await http.post(url, json=body, headers={"X-Session-Id": session_id, "x-api-key": key_a})
-            assert mine.status_code == 200, mine.text  # record mode: tenant a's request makes the session
-            theirs = await http.post(url, json=body, headers={"X-Session-Id": session_id, "x-api-key": key_b})
-            assert theirs.status_code in (403, 404), theirs.text
-    await asyncio.sleep(0)
+            mine = await http.post(url, json=body, headers={"Authorization": f"Bearer {key_a}"})
+            assert mine.status_code == 200, mine.text
+            theirs = await http.post(url, json=body, headers={"Authorization": f"Bearer {key_b}"})
+            assert theirs.status_code == 404 and theirs.json()["error"]["code"] == "SESSION_NOT_FOUND", theirs.text
+            nobody = await http.post(url, json=body)
+            assert nobody.status_code == 401
+        assert len(provider.received) == before + 1, "only tenant a's request reached the provider"
+    assert violations(server, "gateway", since=mark) == [], "record mode needs no permission deploy/ lacks"

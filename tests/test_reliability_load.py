@@ -69,9 +69,8 @@ async def test_concurrent_sessions_from_writer_processes_with_a_deriver_killed_m
         service = name.removesuffix("-2")
         # Default 10 s partition leases: with the 1 s leases of the other tests, a machine this loaded (2 cores,
         # every writer process and service on it) lost and reclaimed partitions over and over and stopped applying.
-        services[name] = ServiceProcess(
-            service, fresh_server.url, workdir, SESSIONLOG_UI_PORT=str(free_port()), SESSIONLOG_LEASE_TTL_S="10"
-        )
+        services[name] = ServiceProcess(service, fresh_server.url, workdir, SESSIONLOG_UI_PORT=str(free_port()))
+        services[name].env["SESSIONLOG_LEASE_TTL_S"] = "10"
     lag: dict[str, list[float]] = {name: [] for name in services}
     loads: list[subprocess.Popen[bytes]] = []
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from sessionlog.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sessionlog.record import raw_subject
 from sessionlog.settings import Settings
 
@@ -15,7 +16,7 @@ from .config import GatewayConfig
 from .derivation import ContextDeriverClient, Derivation, DerivationSource, StreamSource
 from .scripted import ScriptedProvider, load_script
 from .serving import ServerThread, serve_app
-from .upstream import UpstreamConfig, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from .upstream import UpstreamConfig
 
 log = logging.getLogger("sessionlog.gateway")
 

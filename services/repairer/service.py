@@ -10,9 +10,9 @@ from typing import Any, ClassVar, Final
 
 import msgspec
 
-from sessionlog.errors import Conflict, InvalidRequest, SessionLogError, SessionNotFound
+from sessionlog.errors import Conflict, InvalidRequest, LeaseHeld, LeaseLost, SessionLogError, SessionNotFound
 from sessionlog.ids import check_session_id
-from sessionlog.leases import LeaseHeld, LeaseLost, Leases
+from sessionlog.leases import Leases
 from sessionlog.log import RecordPublisher, SessionLog
 from sessionlog.record import Record
 from sessionlog.repair import interrupted_turn_closers

@@ -20,11 +20,10 @@ from starlette.routing import Route
 
 from services.token_auditor.service import read_raw_exchanges
 from sessionlog.audit import SessionAuditor
-from sessionlog.errors import InvalidBoundary, SessionLogError, SessionNotFound
+from sessionlog.errors import InvalidBoundary, PortInUse, SessionLogError, SessionNotFound, http_status
 from sessionlog.ids import check_session_id
 from sessionlog.jsonl import SessionHeader, decode_header
 from sessionlog.log import SessionLog
-from sessionlog.metrics import PortInUse
 from sessionlog.record import Record
 from sessionlog.runner import Projection, ProjectionRunner, SessionState
 from sessionlog.services import ProjectionService
@@ -439,7 +438,7 @@ class UIReplayerService(ProjectionService[UIState]):
 
     async def _error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, SessionLogError)
-        status = 404 if isinstance(exc, SessionNotFound) else 400 if exc.code.startswith("INVALID") else 503
+        status = http_status(exc)
         if request.url.path.startswith("/api/"):
             return JSONResponse({"error": exc.to_dict()}, status_code=status)
         return HTMLResponse(render_error_page(status, str(exc)), status_code=status, headers=SECURITY_HEADERS)

@@ -31,28 +31,14 @@ from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 
 from sessionlog.availability import translates_unavailable
-from sessionlog.errors import SessionLogError
+from sessionlog.errors import JS_WRONG_LAST_SEQUENCE, LeaseHeld, LeaseLost
 
 HDR_TTL = "Nats-TTL"
 HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 HDR_MARKER_REASON = "Nats-Marker-Reason"
 HDR_KV_OPERATION = "KV-Operation"
 
-# JetStream refusals of an expected-sequence write: 10071 ("wrong last sequence: N"), 10164 (the constant form).
-_WRONG_LAST_SEQUENCE = (10071, 10164)
 _ACQUIRE_ATTEMPTS = 3
-
-
-class LeaseHeld(SessionLogError):
-    """Another holder has a live lease on the session."""
-
-    code = "LEASE_HELD"
-
-
-class LeaseLost(SessionLogError):
-    """The lease this holder had expired or was taken over; it must stop writing and reload."""
-
-    code = "LEASE_LOST"
 
 
 class _LeaseValue(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -154,7 +140,7 @@ class Leases:
             try:
                 seq = await self._write(session_id, _LeaseValue(holder=holder, ttl_s=ttl_s), expected, ttl)
             except nats.js.errors.APIError as err:
-                if err.err_code in _WRONG_LAST_SEQUENCE:
+                if err.err_code in JS_WRONG_LAST_SEQUENCE:
                     continue  # someone wrote in between, or the marker expired: look again
                 raise
             return Lease(session_id, holder, seq, seq, ttl_s)
@@ -170,7 +156,7 @@ class Leases:
         try:
             seq = await self._write(lease.session_id, value, lease.revision, ttl_header(ttl_s))
         except nats.js.errors.APIError as err:
-            if err.err_code in _WRONG_LAST_SEQUENCE:
+            if err.err_code in JS_WRONG_LAST_SEQUENCE:
                 raise self._lost(lease, await self.current(lease.session_id)) from err
             raise
         return Lease(lease.session_id, lease.holder, lease.epoch, seq, ttl_s)
@@ -187,7 +173,7 @@ class Leases:
         try:
             await self._publish(self.subject(lease.session_id), b"", headers)
         except nats.js.errors.APIError as err:
-            if err.err_code in _WRONG_LAST_SEQUENCE:
+            if err.err_code in JS_WRONG_LAST_SEQUENCE:
                 raise self._lost(lease, await self.current(lease.session_id)) from err
             raise
 

@@ -37,11 +37,16 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysEr
 from .availability import is_unavailable, translates_unavailable
 from .connection import connect as nats_connect
 from .errors import (
+    JS_STORE_FULL,
+    JS_WRONG_LAST_SEQUENCE,
     Conflict,
     EventTooLarge,
     InvalidEvent,
+    LeaseLost,
+    LogFull,
     LogUnavailable,
     OpenTurn,
+    PurgeRefused,
     SessionAlreadyExists,
     SessionLogError,
     SessionNotFound,
@@ -50,7 +55,7 @@ from .events import Event, Message, Source, TextBlock, encode_new_event
 from .fork import plan_fork, resume_events
 from .ids import check_session_id
 from .jsonl import JsonlLog, SessionHeader, decode_header, read_jsonl, write_jsonl
-from .leases import Lease, LeaseLost, Leases
+from .leases import Lease, Leases
 from .provision import provision
 from .reader import StreamReader
 from .record import HEADER_ALLOWANCE, Record, encode_payload, events_filter, in_subject, raw_subject, record_headers
@@ -61,23 +66,7 @@ from .tasks import cancel_and_wait
 
 log = logging.getLogger("sessionlog.writer")
 
-ERR_WRONG_LAST_SEQUENCE: Final = 10071
-ERR_STREAM_STORE_FULL: Final = (10047, 10077, 10027)
-
-
 PURGED_PREFIX: Final = "sessionlog.admin.purged."
-
-
-class PurgeRefused(SessionLogError):
-    """The streams were created with `deny_purge`, so a session cannot be erased."""
-
-    code = "PURGE_REFUSED"
-
-
-class LogFull(SessionLogError):
-    """The stream refused the write because it is full (`discard: new`): history is never dropped."""
-
-    code = "LOG_FULL"
 
 
 @dataclass(frozen=True, slots=True)
@@ -584,7 +573,7 @@ class RecordPublisher:
                     return await self._settle_duplicate(ack.seq, headers, first_seq)
                 return ack.seq
             code = error.get("err_code")
-            if code == ERR_WRONG_LAST_SEQUENCE:
+            if code in JS_WRONG_LAST_SEQUENCE:
                 if timed_out:
                     landed = await self._landed(headers, first_seq)
                     if landed is not None:
@@ -594,7 +583,7 @@ class RecordPublisher:
                     f"{expected_last}: {error.get('description')}); reload and retry",
                     seq=first_seq,
                 )
-            if code in ERR_STREAM_STORE_FULL:
+            if code in JS_STORE_FULL:
                 raise LogFull(
                     f"stream {self._log.settings.stream} is full and refuses new records ({error.get('description')})",
                     seq=first_seq,

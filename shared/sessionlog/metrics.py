@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .errors import SessionLogError
+from .errors import PortInUse
 
 APPLIED: Final = Counter("sessionlog_projection_applied_events_total", "Events applied by a projection", ["projection"])
 QUARANTINED: Final = Counter(
@@ -42,12 +42,6 @@ REQUEST_SECONDS: Final = Histogram(
 )
 
 HealthCheck = Callable[[], dict[str, Any]]
-
-
-class PortInUse(SessionLogError):
-    """An HTTP port this process was told to serve on is taken."""
-
-    code = "PORT_IN_USE"
 
 
 class HealthServer:

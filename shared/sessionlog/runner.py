@@ -52,9 +52,9 @@ import nats.errors
 from nats.js import api
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from .errors import CorruptLog, InvalidSessionId, LogUnavailable, SessionLogError
+from .errors import CorruptLog, InvalidSessionId, LeaseHeld, LeaseLost, LogUnavailable, SessionLogError
 from .ids import check_session_id
-from .leases import Lease, LeaseHeld, LeaseLost, Leases
+from .leases import Lease, Leases
 from .log import PURGED_PREFIX, SessionLog
 from .metrics import APPLIED, CONSUMER_RESTARTS, LAG_EVENTS, LAG_SECONDS, QUARANTINED
 from .provision import partition_of

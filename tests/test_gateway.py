@@ -924,7 +924,8 @@ async def test_the_context_deriver_client_reads_the_documented_reply_and_falls_b
 
 
 async def test_the_gateway_runs_as_a_service_of_the_process_stack(provisioned: Settings, agent: Agent) -> None:
-    from sessionlog.services import RunOptions, Stack
+    from services.stack import Stack
+    from sessionlog.services import RunOptions
 
     settings = provisioned.model_copy(update={"gateway_port": free_port(), "metrics_port": 0})
     stack = await Stack.start(["gateway"], settings, RunOptions())

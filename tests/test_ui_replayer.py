@@ -22,11 +22,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from test_fixtures_corpus import FIXTURE_FILES, import_corpus, read_fixture
 
+from services.stack import factory
 from services.ui_replayer.service import UIReplayerService
 from sessionlog.errors import CODES, error_from_code
 from sessionlog.events import SURFACE_TYPES
 from sessionlog.log import SessionLog, SessionWriter
-from sessionlog.services import RunOptions, factory
+from sessionlog.services import RunOptions
 from sessionlog.session import Session
 from sessionlog.transcript import build_transcript, transcript_json
 

@@ -186,9 +186,3 @@ class RepairerService(ProjectionService[RepairState]):
                     self._failed(session_id, err)
                 else:
                     self.unrepairable.pop(session_id, None)
-
-
-async def serve(log_: SessionLog, **runner_options: Any) -> RepairerService:
-    service = RepairerService(log_, **runner_options)
-    await service.start()
-    return service

@@ -21,7 +21,6 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -442,7 +441,7 @@ class _LeaseKeeper:
         self._interval = interval_s
         self._callbacks: list[Any] = []
         self._stopping = False
-        self._task: asyncio.Task[None] | None = asyncio.create_task(self._run(), name=f"lease-{lease.session_id}")
+        self._task: asyncio.Task[None] | None = asyncio.create_task(self._run(), name=f"lease-{lease.key}")
 
     @property
     def epoch(self) -> int:
@@ -469,13 +468,13 @@ class _LeaseKeeper:
                     callback(err.message)
                 return
             except Exception as err:  # a transient failure: try again; the TTL decides whether it is lost
-                log.warning("lease refresh for %s failed: %s", self.lease.session_id, err)
+                log.warning("lease refresh for %s failed: %s", self.lease.key, err)
 
     async def _still_ours(self) -> Lease | None:
         """The lease as it stands now if it is still this holder's tenure (a write whose answer was lost may have
         landed at a newer revision), else None."""
         try:
-            current = await self._leases.current(self.lease.session_id)
+            current = await self._leases.current(self.lease.key)
         except Exception:
             return None
         if current is None or current.holder != self.lease.holder or current.epoch != self.lease.epoch:
@@ -871,10 +870,4 @@ class SessionWriter:
         self._waiters = keep
 
 
-def events_of(records: Iterable[Record]) -> list[bytes]:
-    return [e for r in records for e in r.events]
-
-
 __all__ = ["LogFull", "SessionHeader", "SessionInfo", "SessionLog", "SessionWriter"]
-
-_Publisher = RecordPublisher  # the name the first tests used

@@ -577,7 +577,7 @@ class ProjectionRunner(Generic[S]):
             return True
         held = part.lease
         try:  # a read: refreshing is the claim loop's, and two refreshes would fence each other
-            now = await self._leases.current(held.session_id)
+            now = await self._leases.current(held.key)
         except Exception as lease_err:
             log.debug("%s: partition %d: lease read failed: %s", self.name, part.number, lease_err)
             return True

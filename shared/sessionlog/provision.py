@@ -284,7 +284,8 @@ def kv_stream_config(settings: Settings, bucket: str, *, history: int = 1, ttl_m
 
 _KV_CHECKED = ("subjects", "storage", "num_replicas", "max_msgs_per_subject", "max_age", "sealed", "mirror")
 _LEASE_CHECKED = (*_KV_CHECKED, "allow_msg_ttl", "subject_delete_marker_ttl")
-_HEADERS_CHECKED = (*_KV_CHECKED, "discard", "discard_new_per_subject", "allow_rollup_hdrs")
+_WRITE_ONCE_FIELDS = ("discard_new_per_subject", "allow_rollup_hdrs")
+_HEADERS_CHECKED = (*_KV_CHECKED, "discard", *_WRITE_ONCE_FIELDS)
 
 
 def headers_stream_config(settings: Settings) -> dict[str, Any]:
@@ -383,6 +384,11 @@ def mismatch_error(mismatches: dict[str, list[FieldDifference]]) -> StreamMismat
         "Provisioning changed nothing. Make the settings match the existing streams, or migrate: a new "
         "partition count, storage or replica layout means a new stream sourced from the old one."
     )
+    if any(d.field in _WRITE_ONCE_FIELDS for diffs in mismatches.values() for d in diffs):
+        advice += (
+            " A session headers bucket from before write-once headers takes discard_new_per_subject=true and "
+            "allow_rollup_hdrs=false as an update in place (docs/operations.md, 'Write-once session headers')."
+        )
     return StreamMismatch(" | ".join(lines) + ". " + advice, differences=mismatches)
 
 

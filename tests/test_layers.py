@@ -84,3 +84,37 @@ def test_the_command_line_still_offers_every_command_through_python_m_sessionlog
     assert done.returncode == 0, done.stderr
     for command in ("check", "import", "serve", "repair-session", "up", "demo", "audit", "quarantine"):
         assert re.search(rf"^\s+{command}\s", done.stdout, re.M), (command, done.stdout)
+
+
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = {"shared/sessionlog/": REPO / "shared" / "sessionlog", "services/": REPO / "services"}
+
+
+def _layer_map() -> set[str]:
+    """The modules `docs/architecture.md`'s layer map lists, as repository paths."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    listed, root = set(), None
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        token = line.split()[0]
+        if not line.startswith(" "):
+            assert token in ROOTS, f"the layer map names an unknown root {token!r}"
+            root = token
+        elif token.endswith(".py"):
+            assert root is not None, f"{token} is listed before a root"
+            listed.add(root + token)
+    return listed
+
+
+def test_the_layer_map_lists_every_module_and_no_other() -> None:
+    modules = {
+        root + path.relative_to(folder).as_posix()
+        for root, folder in ROOTS.items()
+        for path in folder.rglob("*.py")
+        if path.name != "__init__.py"
+    }
+    listed = _layer_map()
+    assert sorted(modules - listed) == [], "modules missing from docs/architecture.md's layer map"
+    assert sorted(listed - modules) == [], "the layer map names modules that do not exist"

@@ -426,8 +426,9 @@ class SessionLog:
     async def _acquire(self, session_id: str) -> _LeaseKeeper:
         check_session_id(session_id)
         holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        sent = time.monotonic()
         lease = await self.leases.acquire(session_id, holder, self.settings.lease_ttl_s)
-        return _LeaseKeeper(self.leases, lease, self.settings.effective_lease_refresh_s)
+        return _LeaseKeeper(self.leases, lease, self.settings.effective_lease_refresh_s, acquired_at=sent)
 
     # ---------------------------------------------------------------------------------- blobs
 
@@ -465,14 +466,14 @@ class _LeaseKeeper:
     than `confirmed_at + ttl`: a lease is *overdue* past that, and the writer confirms it before publishing.
     """
 
-    def __init__(self, leases: Leases, lease: Lease, interval_s: float) -> None:
+    def __init__(self, leases: Leases, lease: Lease, interval_s: float, *, acquired_at: float | None = None) -> None:
         self._leases = leases
         self.lease = lease
         self._interval = interval_s
         self._callbacks: list[Any] = []
         self._stopping = False
         self._lock = asyncio.Lock()  # one refresh at a time: the loop's and a writer's `confirm()`
-        self.confirmed_at = time.monotonic()
+        self.confirmed_at = time.monotonic() if acquired_at is None else acquired_at  # when the acquire was sent
         self._task: asyncio.Task[None] | None = asyncio.create_task(self._run(), name=f"lease-{lease.session_id}")
 
     @property

@@ -303,6 +303,7 @@ async def test_without_quorum_a_new_process_connects_and_reads_from_a_surviving_
     header, session, _ = await asyncio.wait_for(reader.load(sid), HANG_S)
     assert decode_header(header).id == sid
     assert [e.raw for e in session] == written
+    assert sid in [info.id for info in await asyncio.wait_for(reader.sessions(), HANG_S)], "listing works too"
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONLOG_")}
     env.update(SESSIONLOG_NATS_URL=url, SESSIONLOG_REPLICAS="3")
@@ -317,6 +318,14 @@ async def test_without_quorum_a_new_process_connects_and_reads_from_a_surviving_
     assert done.returncode == 0, done.stderr.decode()
     lines = out.read_bytes().splitlines()
     assert lines[1:] == written and decode_header(lines[0]).id == sid
+    listed = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "sessionlog", "sessions"],
+        env={**env, "COLUMNS": "200"},
+        capture_output=True,
+        timeout=60,
+    )
+    assert listed.returncode == 0 and sid in listed.stdout.decode(), listed.stderr.decode()
 
 
 async def test_without_quorum_creating_and_listing_sessions_is_log_unavailable_not_a_raw_nats_error(

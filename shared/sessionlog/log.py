@@ -32,7 +32,7 @@ import nats.js.errors
 from msgspec import UNSET
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
 from .availability import is_unavailable, translates_unavailable, unavailable_as_typed
@@ -115,6 +115,7 @@ class SessionLog:
         self.settings = settings
         self.reader = StreamReader(nc, settings.stream, timeout=settings.request_timeout_s)
         self.leases = Leases(self.js, settings.kv_leases, timeout=settings.request_timeout_s)
+        self._headers_reader = StreamReader(nc, f"KV_{settings.kv_sessions}", timeout=settings.request_timeout_s)
         # Built, not looked up (`js.key_value` asks the stream leader for its info): headers are read by direct
         # get, which any replica answers, so a cluster without quorum can still be read.
         self._kv_sessions = KeyValue(
@@ -178,6 +179,23 @@ class SessionLog:
         value: bytes | None = entry.value
         return value or None
 
+    async def _session_ids(self) -> list[str]:
+        """The id of every session with a header: the header bucket read by direct gets (one message per key, its
+        history being 1), which any replica answers, so sessions can be listed without quorum."""
+        prefix = f"$KV.{self.settings.kv_sessions}."
+        out: list[str] = []
+        start = 1
+        while True:
+            batch, pending = await self._headers_reader.direct_batch(f"{prefix}>", start)
+            out.extend(
+                m.subject[len(prefix) :]
+                for m in batch
+                if m.data and m.headers.get("KV-Operation") not in ("DEL", "PURGE")
+            )
+            if not batch or pending == 0:
+                return out
+            start = batch[-1].stream_seq + 1
+
     async def _publish_header(self, session_id: str, header_raw: bytes) -> None:
         try:
             await self._kv_sessions.create(session_id, header_raw)
@@ -212,10 +230,7 @@ class SessionLog:
     @translates_unavailable("list sessions")
     async def sessions(self) -> list[SessionInfo]:
         """Every visible session, newest first."""
-        try:
-            keys = await self._kv_sessions.keys()
-        except (NotFoundError, NoKeysError):
-            return []
+        keys = await self._session_ids()
         out: list[SessionInfo] = []
         for key in keys:
             header = await self.header(key)

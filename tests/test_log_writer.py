@@ -15,15 +15,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import pytest_asyncio
-from natsfixtures import new_session_id
+from natsfixtures import log_settings, new_session_id
 from scaffold import LEASE_TTL_S, WAIT_S, Opened, assert_contiguous, eventually, freeze, raws
 from sessiongen import assistant_message_data, closed_turn, tool_result_data, user_message_data
 
@@ -31,7 +32,7 @@ from sessionlog.embedded import EmbeddedServer
 from sessionlog.errors import LogUnavailable, SessionLogError
 from sessionlog.events import encode_new_event
 from sessionlog.jsonl import decode_header
-from sessionlog.log import SessionWriter, _Publisher
+from sessionlog.log import SessionLog, SessionWriter, _Publisher
 from sessionlog.record import H_COUNT, H_DIGEST, H_FIRST_SEQ, H_FORMAT, H_WRITER, events_filter
 
 pytest_plugins = ["natsfixtures"]
@@ -473,6 +474,35 @@ async def test_a_writer_process_paused_past_its_ttl_is_refused_and_the_process_t
         proc.wait(timeout=10)
 
 
+def block_until_lease_expired(url: str, session_id: str) -> None:
+    """Block the calling thread (and so its event loop) until the session's lease is gone on the server, as seen
+    by a connection of another thread."""
+
+    async def expired() -> None:
+        log = await SessionLog.connect(log_settings(url), provision_stores=False)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while await log.leases.current(session_id) is not None:
+                assert time.monotonic() < deadline, "the lease did not expire"
+                await asyncio.sleep(0.05)
+        finally:
+            await log.close()
+
+    failures: list[BaseException] = []
+    thread = threading.Thread(target=lambda: failures.extend(_raised(lambda: asyncio.run(expired()))))
+    thread.start()
+    thread.join(WAIT_S * 2)
+    assert not thread.is_alive() and not failures, failures
+
+
+def _raised(step: Callable[[], object]) -> list[BaseException]:
+    try:
+        step()
+    except BaseException as err:
+        return [err]
+    return []
+
+
 async def test_a_writer_whose_loop_was_blocked_past_its_ttl_gets_lease_lost_naming_why_and_writes_nothing(
     logs: Logs, url: str
 ) -> None:
@@ -482,7 +512,8 @@ async def test_a_writer_whose_loop_was_blocked_past_its_ttl_gets_lease_lost_nami
     written = await closed_turn(writer)
     await writer.flush()
 
-    time.sleep(LEASE_TTL_S * 2.5)  # a synchronous model call blocks the event loop: nothing refreshes the lease
+    # A synchronous model call blocks the event loop (nothing refreshes the lease) until the server has expired it.
+    block_until_lease_expired(url, sid)
     await closed_turn(writer, "After the blocking call.")
     with pytest.raises(SessionLogError) as refused:
         await writer.flush()

@@ -947,7 +947,7 @@ class SessionWriter:
                 batch, size = self._take_batch(self._in_doubt)
                 first = self._pending_first
                 try:
-                    if self._lease.overdue and not self._in_doubt:
+                    if self._lease.overdue:
                         await self._confirm_lease(first)
                     stream_seq = await self._publisher.publish(
                         batch,

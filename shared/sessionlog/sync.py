@@ -19,6 +19,7 @@ from typing import Any, Self, TypeVar
 
 from msgspec import UNSET
 
+from .errors import SessionLogError
 from .events import Event, Message
 from .log import SessionLog, SessionWriter
 from .record import Record
@@ -104,15 +105,22 @@ class SyncSessionLog:
         return self.run(self.log.load(session_id, up_to_seq=up_to_seq))
 
     def close(self) -> None:
-        """Close every writer still open (flushing it), then the connection, then the loop."""
+        """Close every writer still open (flushing it), then the connection, then the loop; raises the first
+        writer's refusal, if any, once everything is closed."""
+        refused: list[SessionLogError] = []
         try:
             for writer in self._writers:
-                writer.close()
+                try:
+                    writer.close()
+                except SessionLogError as err:  # the others are still closed, and their leases released
+                    refused.append(err)
         finally:
             try:
                 self.run(self.log.close())
             finally:
                 self._thread.stop()
+        if refused:
+            raise refused[0]
 
     def __enter__(self) -> Self:
         return self

@@ -288,9 +288,12 @@ class SessionLog:
         return SessionWriter(self, session_id, Session(), last_stream_seq=0, lease=lease)
 
     @translates_unavailable("open session {session_id}")
-    async def open(self, session_id: str) -> SessionWriter:
-        """Continue a session whose last turn is closed; one a crash left open needs `resume`."""
-        return await self._take_over(session_id, resuming=False)
+    async def open(self, session_id: str, *, continue_open_turn: bool = False) -> SessionWriter:
+        """Continue a session whose last turn is closed; one a crash left open needs `resume`.
+
+        `continue_open_turn` takes over an open turn as it is (the gateway's record mode, whose turns stay open
+        between requests: the lease, now ours, says its last holder is gone or let it go)."""
+        return await self._take_over(session_id, resuming=False, continue_open_turn=continue_open_turn)
 
     @translates_unavailable("resume session {session_id}")
     async def resume(self, session_id: str) -> SessionWriter:
@@ -298,7 +301,7 @@ class SessionLog:
         writer holds the session."""
         return await self._take_over(session_id, resuming=True)
 
-    async def _take_over(self, session_id: str, *, resuming: bool) -> SessionWriter:
+    async def _take_over(self, session_id: str, *, resuming: bool, continue_open_turn: bool = False) -> SessionWriter:
         """Take the lease, load the log and fence it: an empty record of the new epoch after the last one loaded.
 
         The fence is what JetStream enforces: a writer of an earlier tenure (paused past its TTL, then woken) names
@@ -311,7 +314,7 @@ class SessionLog:
             min_stream_seq = 0
             for _ in range(_FENCE_ATTEMPTS):
                 _, session, last = await self.load(session_id, min_stream_seq=min_stream_seq)
-                if not resuming and session.open_turn is not None:
+                if not (resuming or continue_open_turn) and session.open_turn is not None:
                     raise OpenTurn(
                         f"session {session_id} has turn {session.open_turn} open; resume it to close the turn first"
                     )

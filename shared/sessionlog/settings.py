@@ -95,7 +95,7 @@ class Settings(BaseSettings):
         default=30.0,
         gt=0,
         description="How long a writer keeps retrying one record (same message id, so never doubled) before it "
-        "reports `LOG_UNAVAILABLE`: it must outlast a stream leader election (4-7.4 s measured on a 3-node "
+        "reports `LOG_UNAVAILABLE`: it must outlast a stream leader election (4.3-7.4 s measured on a 3-node "
         "cluster). Below `duplicate_window_s`.",
     )
 

@@ -35,7 +35,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
-from .availability import is_unavailable, translates_unavailable, unavailable_as_typed
+from .availability import is_unavailable, retry_unanswered, translates_unavailable, unavailable_as_typed
 from .connection import connect as nats_connect
 from .errors import (
     Conflict,
@@ -173,7 +173,7 @@ class SessionLog:
         """The session header (its JSONL header line) or None while the session is not visible."""
         check_session_id(session_id)
         try:
-            entry = await self._kv_sessions.get(session_id)
+            entry = await retry_unanswered(lambda: self._kv_sessions.get(session_id), self.settings.request_timeout_s)
         except (KeyNotFoundError, NotFoundError):
             return None
         value: bytes | None = entry.value

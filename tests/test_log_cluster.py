@@ -368,8 +368,7 @@ async def test_without_quorum_open_resume_fork_purge_and_blobs_are_log_unavailab
         "purge": lambda: log.purge(sid),
         "put_blob": lambda: log.put_blob(b"nobody can store this"),
         "get_blob": lambda: log.get_blob(blob["attachmentId"]),
-        "sessions": log.sessions,
-    }
+    }  # listing sessions reads the survivor's replica: see the test above
     outcomes = await asyncio.gather(
         *(asyncio.wait_for(attempt(), timeout + HANG_S) for attempt in attempts.values()), return_exceptions=True
     )

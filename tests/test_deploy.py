@@ -36,12 +36,13 @@ import yaml
 from nats.aio.client import Client
 from sessiongen import closed_turn, user_message_data
 
+from services.stack import SERVICES, Stack
 from sessionlog.embedded import ClusterOptions, EmbeddedServer, find_server_binary, free_port
 from sessionlog.events import encode_new_event
 from sessionlog.log import SessionLog
 from sessionlog.micro import call
 from sessionlog.record import encode_payload, in_subject, record_headers
-from sessionlog.services import SERVICES, RunOptions, Stack
+from sessionlog.services import RunOptions
 from sessionlog.settings import ENV_PREFIX, Settings
 
 pytestmark = pytest.mark.timeout(120)
@@ -211,7 +212,7 @@ def test_compose_runs_the_five_services_the_provider_and_the_demo_from_one_image
 
 def test_the_scripted_provider_command_is_what_its_entry_point_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
     import services.gateway.scripted as scripted
-    import services.gateway.serving as serving
+    import sessionlog.asgi as asgi
 
     service = compose()["services"]["scripted-provider"]
     mounts = dict(reversed(v.split(":")[:2]) for v in service["volumes"])  # container folder -> host folder
@@ -224,7 +225,7 @@ def test_the_scripted_provider_command_is_what_its_entry_point_accepts(monkeypat
     async def fake_serve(app: Any, host: str, port: int, **options: Any) -> None:
         served.update(app=app, host=host, port=port)
 
-    monkeypatch.setattr(serving, "serve_app", fake_serve)
+    monkeypatch.setattr(asgi, "serve_until_cancelled", fake_serve)
     assert scripted.main(argv) == 0  # the script file loads, the arguments parse
     assert served["host"] == "0.0.0.0"
     gateway_env = compose_env(compose()["services"]["gateway"])
@@ -705,6 +706,36 @@ async def test_each_role_writes_only_its_own_keys(
         await nc.close()
 
 
+@on_module_loop
+async def test_a_writer_cannot_purge_a_sessions_header(
+    single: EmbeddedServer, admin: SessionLog, writer_log: SessionLog
+) -> None:
+    """The writer must put headers into the bucket, and NATS permissions cannot tell a put from a delete or purge
+    marker (all publish to `$KV.sessionlog-sessions.<id>`): the bucket itself refuses anything but the first."""
+    session_id = await written_session(writer_log)
+    events = await admin.reader.events(session_id)
+    header = await admin.header(session_id)
+    assert header is not None
+    subject = f"$KV.{admin.settings.kv_sessions}.{session_id}"
+    nc, _ = await connect_as(single.url, "writer")
+    try:
+        await nc.publish(subject, b"", headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub"})
+        await nc.flush()
+        js = nc.jetstream(timeout=5)
+        for what, body, headers in (
+            ("a purge marker", b"", {"KV-Operation": "PURGE", "Nats-Rollup": "sub"}),
+            ("a delete marker", b"", {"KV-Operation": "DEL"}),
+            ("another header", kv_value(subject), None),
+        ):
+            with pytest.raises(nats.js.errors.APIError):
+                await js.publish(subject, body, headers=headers)
+                pytest.fail(f"{what} was accepted")
+    finally:
+        await nc.close()
+    assert await admin.reader.events(session_id) == events
+    assert await admin.header(session_id) == header, "the writer erased or replaced the session's header"
+
+
 # (role, subject): subscriptions that would let a role answer in another service's name, or eavesdrop on it.
 IMPERSONATIONS = [
     ("gateway", "sessionlog.context.derive"),
@@ -764,7 +795,7 @@ async def test_the_ephemeral_consumer_grant_cannot_create_a_durable(single: Embe
 
 # ================================================================================================ live: the services
 
-# Each service runs exactly as `sessionlog serve NAME` runs it (sessionlog.services.Stack: the connection that
+# Each service runs exactly as `sessionlog serve NAME` runs it (services.stack.Stack: the connection that
 # verifies the layout, the service, the health server), as its own NATS user, and then does its job for a client
 # that connects as its own user too. A permission the code needs and accounts.conf lacks fails here.
 

@@ -30,11 +30,13 @@ from sessionlog.embedded import (
     free_port,
     parse_version,
 )
-from sessionlog.errors import LogUnavailable
-from sessionlog.leases import LeaseHeld, LeaseLost, Leases, ttl_header
+from sessionlog.errors import LeaseHeld, LeaseLost, LogUnavailable
+from sessionlog.leases import Leases, ttl_header
 from sessionlog.provision import (
     StreamMismatch,
     event_stream_config,
+    headers_stream_config,
+    kv_stream_config,
     partition_of,
     provision,
     resources,
@@ -83,13 +85,15 @@ def test_partition_sets_parse_ranges_and_lists_and_refuse_partitions_past_the_co
 def test_settings_read_the_environment_and_document_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SESSIONLOG_NATS_URL", "nats://a:4222, nats://b:4222")
     monkeypatch.setenv("SESSIONLOG_PROVIDER_MODEL_MAP", '{"fast": "deepseek-chat"}')
-    monkeypatch.setenv("SESSIONLOG_LEASE_TTL_S", "3")
+    monkeypatch.setenv("SESSIONLOG_LEASE_TTL_S", "4")
     settings = Settings(_env_file=None)
     assert settings.nats_servers() == ["nats://a:4222", "nats://b:4222"]
     assert settings.provider_model_map == {"fast": "deepseek-chat"}
     assert settings.effective_lease_refresh_s == 1.0
     with pytest.raises(ValueError, match="lease_refresh_s"):
         Settings(_env_file=None, lease_ttl_s=2, lease_refresh_s=2)
+    with pytest.raises(ValueError, match="publish_retry_s"):  # a retry must stay within the duplicate window
+        Settings(_env_file=None, publish_retry_s=60, duplicate_window_s=60)
     for field, bad in (("projection_max_sessions", 0), ("projection_idle_evict_s", -1)):
         with pytest.raises(ValueError, match=field):
             Settings(_env_file=None, **{field: bad})
@@ -324,6 +328,33 @@ async def test_every_differing_field_is_listed_and_nothing_is_created(
     assert {d.field for d in diffs[f"kv {settings.kv_leases}"]} == {"storage"}
     # The one missing bucket was not created: the plan failed before anything was committed.
     assert await stream_config(js, f"KV_{settings.kv_sessions}") is None
+
+
+@on_module_loop
+async def test_a_headers_bucket_from_before_write_once_headers_is_reported_and_can_be_updated_in_place(
+    fresh_js: JetStreamContext, fresh_server: EmbeddedServer
+) -> None:
+    js, settings = fresh_js, log_settings(fresh_server.url)
+    old = kv_stream_config(settings, settings.kv_sessions)  # what provisioning created before 2026-12-03
+    await js._nc.request(f"$JS.API.STREAM.CREATE.{old['name']}", json.dumps(old).encode())
+    with pytest.raises(StreamMismatch) as caught:
+        await provision(js, settings)
+    diffs = caught.value.differences[f"kv {settings.kv_sessions}"]
+    assert {d.field for d in diffs} == {"discard_new_per_subject", "allow_rollup_hdrs"}
+    assert "docs/operations.md" in caught.value.message
+    assert await stream_config(js, settings.stream) is None, "nothing created while the plan failed"
+    # JetStream takes both fields as an update of the existing stream, keeping its headers.
+    kv = await js.key_value(settings.kv_sessions)
+    await kv.put("kept", b"header")
+    reply = await js._nc.request(
+        f"$JS.API.STREAM.UPDATE.{old['name']}", json.dumps(headers_stream_config(settings)).encode()
+    )
+    assert "error" not in json.loads(reply.data), reply.data
+    report = await provision(js, settings)
+    assert f"kv {settings.kv_sessions}" in report.verified
+    assert (await kv.get("kept")).value == b"header"
+    with pytest.raises(nats.js.errors.APIError):
+        await kv.put("kept", b"overwritten")
 
 
 @on_module_loop

@@ -39,6 +39,7 @@ from test_gateway import gateway_config
 from test_runner import ids_in_partition, publish_raw
 
 from services.gateway import ScriptedProvider, ServerThread, build_app
+from services.stack import Stack
 from sessionlog.embedded import EmbeddedServer, free_port
 from sessionlog.errors import ERRORS_BY_CODE, SessionLogError
 from sessionlog.jsonl import parse_jsonl
@@ -46,7 +47,6 @@ from sessionlog.log import SessionLog
 from sessionlog.micro import call
 from sessionlog.provision import partition_of
 from sessionlog.record import encode_payload, record_headers
-from sessionlog.services import Stack
 from sessionlog.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -108,7 +108,7 @@ def typed(err: BaseException) -> str:
 # ================================================================================ mutated fixtures into the importer
 
 
-# Invalid UTF-8 and deep nesting have tests of their own below (xfail until issue 11's fixes land): random bytes
+# Invalid UTF-8 and deep nesting have tests of their own below: random bytes
 # here stay ASCII, so this test keeps checking everything else.
 OPS = ("truncate", "drop", "double", "swap", "byte", "retype", "junk", "huge")
 ASCII = st.binary(min_size=1, max_size=3).map(lambda b: bytes(c % 128 for c in b))
@@ -187,12 +187,6 @@ def test_a_mutated_fixture_is_imported_whole_or_refused_typed_with_nothing_writt
 
 
 DEEP = b"[" * 20_000 + b"]" * 20_000
-UNDECODABLE = pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 (undecodable input): invalid UTF-8 in event data or the header, or deep nesting in the header "
-    "or after a torn line, escapes the importer and append as msgspec.DecodeError or RecursionError instead of a typed "
-    "error (still so after wt-iso's merge); see /work/notes/rel-findings.md",
-)
 GOOD_FIXTURE = FIXTURE_FILES[0]
 BAD_UTF8_MESSAGE = (
     b'{"type":"user/message","data":{"id":"u","role":"user","content":[{"type":"text","text":"\xff"}],'
@@ -219,10 +213,7 @@ UNDECODABLE_FILES = {
 }
 
 
-@pytest.mark.parametrize(
-    "case",
-    [c if c == "deep nesting in an event line" else pytest.param(c, marks=UNDECODABLE) for c in UNDECODABLE_FILES],
-)
+@pytest.mark.parametrize("case", list(UNDECODABLE_FILES))
 def test_an_undecodable_fixture_is_refused_typed_with_nothing_written(
     bg: tuple[Background, SessionLog], case: str
 ) -> None:
@@ -240,7 +231,6 @@ def test_an_undecodable_fixture_is_refused_typed_with_nothing_written(
     assert background.run(log.reader.records(sid)) == []
 
 
-@UNDECODABLE
 def test_append_refuses_invalid_utf8_typed(bg: tuple[Background, SessionLog]) -> None:
     background, log = bg
 
@@ -551,11 +541,6 @@ async def test_bad_http_bodies_and_headers_to_the_gateway_get_a_typed_4xx_and_ch
 
 
 @on_module_loop
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 (gateway bad bodies, wt-gwdsh): a body nested 20,000 deep is a 500 (RecursionError), not "
-    "INVALID_REQUEST; see /work/notes/rel-findings.md",
-)
 async def test_a_deeply_nested_body_to_the_gateway_is_a_typed_4xx(gateway_url: str, log: SessionLog) -> None:
     writer = await log.create(new_session_id("deep"))
     await closed_turn(writer)

@@ -105,7 +105,9 @@ def read_log(p: Permissions) -> None:
 
 
 def list_sessions(p: Permissions) -> None:
-    p.publish("list sessions (KV keys: an ordered consumer on the header bucket, and its info)",
+    p.publish("list sessions (batch direct gets of the header bucket: any replica answers, quorum or not)",
+              f"{API}.DIRECT.GET.KV_{KV_SESSIONS}")  # fmt: skip
+    p.publish("follow the session list (a KV watcher: an ordered consumer on the header bucket, and its info)",
               f"{API}.CONSUMER.CREATE.KV_{KV_SESSIONS}", f"{API}.CONSUMER.INFO.KV_{KV_SESSIONS}.*",
               f"$JS.FC.KV_{KV_SESSIONS}.>")  # fmt: skip
 
@@ -148,6 +150,8 @@ def projection(p: Permissions, name: str, partitions: int) -> None:
     own_keys = f"$KV.{KV_CHECKPOINTS}.{name}.>"
     own_reads = f"{API}.DIRECT.GET.KV_{KV_CHECKPOINTS}.{own_keys}"
     p.publish("its own checkpoints and quarantine entries", own_keys, own_reads)
+    p.publish("list quarantine entries at start (batch direct get on the checkpoints bucket, read only)",
+              f"{API}.DIRECT.GET.KV_{KV_CHECKPOINTS}")  # fmt: skip
     p.publish("its own partition leases", f"$KV.{KV_LEASES}.partition.{name}.>", f"{API}.STREAM.MSG.GET.KV_{KV_LEASES}")
     p.publish("presence requests to its own replicas", f"sessionlog.replicas.{name}")
     p.subscribe("presence: answer its own replicas", f"sessionlog.replicas.{name}")

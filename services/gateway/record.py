@@ -52,13 +52,15 @@ from sessionlog.errors import (
     Conflict,
     DerivationDiverges,
     InvalidRequest,
+    LeaseHeld,
     SessionAlreadyExists,
+    SessionBusy,
     SessionLogError,
     SessionNotFound,
+    http_status,
 )
 from sessionlog.events import ToolCallBlock, ToolResultBlock
 from sessionlog.ids import check_session_id
-from sessionlog.leases import LeaseHeld
 from sessionlog.log import SessionWriter
 from sessionlog.session import DerivedMessage, Session
 from sessionlog.surface import ReplaceOp
@@ -86,12 +88,6 @@ log = logging.getLogger("sessionlog.gateway")
 RELEASE_PREFIX: Final = "sessionlog.gateway.release."
 _FINISH_WAIT_S: Final = 5.0
 _msg_decoder: Final = msgspec.json.Decoder(list[Any])
-
-
-class SessionBusy(SessionLogError):
-    """Another request of the session is being answered (here or by another gateway replica)."""
-
-    code = "SESSION_BUSY"
 
 
 def _new_id(prefix: str) -> str:
@@ -206,7 +202,7 @@ class Recorder:
     # ---------------------------------------------------------------------------------- endpoints
 
     async def models(self, request: Request) -> Response:
-        from .app import _no_retry, _request_id, _status_of, error_body
+        from .app import _no_retry, _request_id, error_body
 
         request_id = _request_id()
         try:
@@ -215,7 +211,9 @@ class Recorder:
             data = await self.gateway.upstream_models()
         except SessionLogError as err:
             return JSONResponse(
-                error_body(err, request_id=request_id), status_code=_status_of(err), headers=_no_retry(_status_of(err))
+                error_body(err, request_id=request_id),
+                status_code=http_status(err),
+                headers=_no_retry(http_status(err)),
             )
         return Response(data, media_type="application/json")
 
@@ -328,7 +326,7 @@ class Recorder:
                 rest = raw[close:].lstrip()
                 if rest.startswith(b","):
                     tail = _msg_decoder.decode(b"[" + rest[1:])
-                    return _Client(system, count, [normal_message(m, f"$.messages[{count + i + (system is not None)}]")
+                    return _Client(system, count, [_loggable(m, f"$.messages[{count + i + (system is not None)}]")
                                                    for i, m in enumerate(tail)], raw)  # fmt: skip
         try:
             messages = _msg_decoder.decode(raw)
@@ -339,7 +337,7 @@ class Recorder:
             system = normal_message(messages[0], "$.messages[0]")
             messages = messages[1:]
         offset = 1 if system is not None else 0
-        return _Client(system, 0, [normal_message(m, f"$.messages[{i + offset}]") for i, m in enumerate(messages)], raw)
+        return _Client(system, 0, [_loggable(m, f"$.messages[{i + offset}]") for i, m in enumerate(messages)], raw)
 
     async def _log_request(self, call: Any, held: _Held, writer: SessionWriter, parsed: dict[str, Any]) -> _Exchange:
         session = writer.session
@@ -613,6 +611,14 @@ class Recorder:
         return _Exchange(
             self, call.session_id, held, writer, forwarded, expected, session.open_turn or 0, session.open_step.number
         )
+
+
+def _loggable(message: Any, where: str) -> dict[str, Any]:
+    """A conversation message's canonical wire form, refused here (named by its index in the request) when it has
+    no logged form: a second system message, a field no Message carries."""
+    wire = normal_message(message, where)
+    logged_message(wire, "", where)
+    return wire
 
 
 def _is_result(derived: DerivedMessage) -> bool:

@@ -25,11 +25,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"),
 __all__ = ["cluster", "logs"]  # fixtures, used by name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 (wt-writer): writers riding leader elections with default settings are not on main yet "
-    "(a writer fails CONFLICT/LOG_UNAVAILABLE or is fenced across a leader kill); see /work/notes/rel-findings.md",
-)
 async def test_leader_kills_under_writes_with_default_settings_lose_and_double_nothing(
     cluster: Cluster, logs: Logs
 ) -> None:

@@ -119,10 +119,10 @@ async def test_drops_resets_stalls_and_cut_publishes_lose_nothing_and_double_not
 async def test_a_stall_longer_than_the_budget_is_log_unavailable_and_what_landed_late_is_there_once(
     fresh_server: EmbeddedServer, proxy: FaultProxy
 ) -> None:
-    budget_s = 1.0
+    budget_s = 1.0  # both the request timeout and the publish retry budget (`publish_retry_s`)
     async with (
         Opened(fresh_server.url) as direct,
-        Opened(proxy.url, request_timeout_s=budget_s, lease_ttl_s=1) as through,
+        Opened(proxy.url, request_timeout_s=budget_s, lease_ttl_s=1, publish_retry_s=budget_s) as through,
     ):
         reader = await direct.connect()
         log = await through.connect()

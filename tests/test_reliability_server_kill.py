@@ -174,9 +174,9 @@ async def test_a_long_outage_fails_the_flush_with_log_unavailable_and_reports_no
     tmp_path: Path,
 ) -> None:
     server = server_with(tmp_path, "default")
-    budget_s = 1.0
+    budget_s = 1.0  # both the request timeout and the publish retry budget (`publish_retry_s`)
     try:
-        async with Opened(server.url, lease_ttl_s=1, request_timeout_s=budget_s) as opened:
+        async with Opened(server.url, lease_ttl_s=1, request_timeout_s=budget_s, publish_retry_s=budget_s) as opened:
             log = await opened.connect()
             writer = await opened.create(log)
             await streamed_turn(writer, "before the outage")

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 from faultproxy import FaultProxy
-from reliability import FULL, Stopwatch, record_figures, rng, scale
+from reliability import Stopwatch, record_figures, rng, scale
 from scaffold import WAIT_S, Opened, eventually
 from sessiongen import streamed_turn
 from test_reliability_server_kill import assert_flushed_events_present_once_in_order, stream_turns
@@ -58,12 +58,6 @@ async def inject(proxy: FaultProxy, fault: str, chance: object) -> None:
         await eventually(cut, f"a publish passes the proxy to be cut ({fault})")
 
 
-@pytest.mark.xfail(
-    FULL,
-    strict=True,
-    reason="issue 11 (wt-writer, LEASE_LOST): at full scale (100 faults back to back) writers are fenced because "
-    "their lease expired while they kept acknowledging records; see /work/notes/rel-findings.md",
-)
 async def test_drops_resets_stalls_and_cut_publishes_lose_nothing_and_double_nothing(
     fresh_server: EmbeddedServer, proxy: FaultProxy
 ) -> None:

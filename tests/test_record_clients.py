@@ -1,0 +1,458 @@
+"""Record mode with real, unmodified clients: the official `openai` Python SDK, the `openai` npm package run by
+node, and `openai-agents` on its chat-completions model, each changing only its base URL to
+`/record/{session_id}/v1`.
+
+Everything is a real process: a nats-server, `sessionlog serve gateway`, `sessionlog scripted-provider`, the
+examples the README shows (run as they are), and the CLI that inspects the result. Each session is then exported,
+checked, derived at every request's seq and compared with what the provider received (read from the raw tee
+`SESSIONLOG_RAW` and from the provider itself), shown as a transcript, and audited with no findings. A
+framework-style compaction (the client swaps older messages for a summary) becomes a logged replace with
+provenance under the default policy, and is refused before the provider under `refuse`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+from conftest import REPO_ROOT
+from natsfixtures import new_session_id
+from scaffold import ServiceProcess, eventually
+
+from services.token_auditor.service import read_raw_exchanges
+from sessionlog.audit import RawExchange
+from sessionlog.embedded import EmbeddedServer, free_port
+from sessionlog.events import Event
+from sessionlog.jsonl import read_jsonl
+from sessionlog.log import SessionLog
+from sessionlog.session import Session
+from sessionlog.settings import Settings
+from sessionlog.wire import canonical, to_wire
+
+pytest_plugins = ["natsfixtures"]
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
+
+NODE_DIR = REPO_ROOT / "tests" / "node"
+MODEL = "scripted-model"
+RUN_S = 90.0  # the bound of one client or CLI subprocess
+WAIT_S = 15.0
+TRANSPORT = {"stream", "stream_options"}  # request fields that shape the transport, not what the model sees
+
+# What the provider answers the examples: a tool call and an answer per turn, two turns.
+EXAMPLE_SCRIPT: list[dict[str, Any]] = [
+    {"tool_calls": [{"id": "call_add_1", "name": "add", "arguments": '{"a": 2, "b": 3}'}]},
+    {"text": "2 + 3 = 5."},
+    {"tool_calls": [{"id": "call_add_2", "name": "add", "arguments": '{"a": 5, "b": 5}'}]},
+    {"text": "Doubled, that is 10."},
+]
+EXAMPLE_QUESTIONS = ("What is 2 + 3?", "And that doubled?")
+EXAMPLE_ANSWERS = ("answer: 2 + 3 = 5.", "answer: Doubled, that is 10.")
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Provider:
+    """The scripted provider's process and its HTTP controls."""
+
+    process: ServiceProcess
+    url: str
+
+    async def load(self, replies: list[dict[str, Any]]) -> None:
+        async with httpx.AsyncClient(timeout=5) as client:
+            (await client.post(f"{self.url}/_scripted/script", json=replies)).raise_for_status()
+
+    async def received(self) -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=5) as client:
+            reply = await client.get(f"{self.url}/_scripted/requests")
+            reply.raise_for_status()
+            bodies: list[dict[str, Any]] = reply.json()
+            return bodies
+
+
+@dataclass
+class Gateway:
+    process: ServiceProcess
+    url: str
+
+    def base_url(self, session_id: str) -> str:
+        return f"{self.url}/record/{session_id}/v1"
+
+    async def refusals(self, code: str) -> float:
+        async with httpx.AsyncClient(timeout=5) as client:
+            text = (await client.get(f"{self.url}/metrics")).text
+        for line in text.splitlines():
+            if line.startswith("sessionlog_gateway_refusals_total{") and f'code="{code}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("record-clients")
+
+
+@pytest.fixture(scope="module")
+def node_clients() -> Path:
+    """The npm package the Node test runs, installed from its lock file (`make setup` does it; so does this)."""
+    assert shutil.which("node") and shutil.which("npm"), "node and npm are needed: the Node client test must run"
+    if not (NODE_DIR / "node_modules" / "openai").is_dir():
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=NODE_DIR, check=True, timeout=300
+        )
+    return NODE_DIR
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def provider(nats_server: EmbeddedServer, workdir: Path) -> AsyncIterator[Provider]:
+    script = workdir / "script.json"
+    script.write_text("[]")
+    port = free_port()
+    command = ["scripted-provider", "--script", str(script), "--port", str(port)]
+    process = ServiceProcess("scripted-provider", nats_server.url, workdir, command=command)
+    process.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await process.wait_ready(url=f"{url}/healthz")
+        yield Provider(process, url)
+    finally:
+        process.stop()
+
+
+async def start_gateway(url: str, workdir: Path, provider: Provider, **env: str) -> Gateway:
+    workdir.mkdir(exist_ok=True)
+    port = free_port()
+    process = ServiceProcess(
+        "gateway",
+        url,
+        workdir,
+        SESSIONLOG_GATEWAY_PORT=str(port),
+        SESSIONLOG_PROVIDER_BASE_URL=f"{provider.url}/v1",
+        SESSIONLOG_GATEWAY_DERIVATION="stream",
+        SESSIONLOG_GATEWAY_UPSTREAM_TIMEOUT_S="30",
+        **env,
+    )
+    process.start()
+    try:
+        await process.wait_ready()
+        await process.wait_ready(url=f"http://127.0.0.1:{port}/healthz")
+    except BaseException:
+        process.stop()
+        raise
+    return Gateway(process, f"http://127.0.0.1:{port}")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gateway(
+    provisioned: Settings, nats_server: EmbeddedServer, workdir: Path, provider: Provider
+) -> AsyncIterator[Gateway]:
+    started = await start_gateway(nats_server.url, workdir / "record", provider)
+    try:
+        yield started
+    finally:
+        started.process.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def refusing_gateway(
+    provisioned: Settings, nats_server: EmbeddedServer, workdir: Path, provider: Provider
+) -> AsyncIterator[Gateway]:
+    started = await start_gateway(
+        nats_server.url, workdir / "refuse", provider, SESSIONLOG_GATEWAY_HISTORY_EDITS="refuse"
+    )
+    try:
+        yield started
+    finally:
+        started.process.stop()
+
+
+def client_env(gateway: Gateway) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONLOG_")}
+    env.update(GATEWAY_URL=gateway.url, MODEL=MODEL)
+    return env
+
+
+async def run(argv: list[str], *, cwd: Path = REPO_ROOT, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """One bounded subprocess; its output is kept for the assertion messages."""
+    return await asyncio.to_thread(
+        subprocess.run, argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_S, check=False
+    )
+
+
+async def sessionlog(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONLOG_")}
+    env.update(SESSIONLOG_NATS_URL=url, COLUMNS="200")
+    return await run([sys.executable, "-m", "sessionlog", *args], env=env)
+
+
+def succeeded(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 0, f"{done.args} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+# ---------------------------------------------------------------------------------------------- the checks
+
+
+@dataclass
+class Recorded:
+    """A session recorded through the gateway, exported and inspected with the CLI."""
+
+    session: Session
+    file: Path
+    exchanges: list[RawExchange]
+    bodies: list[dict[str, Any]]  # what the provider received, from the raw tee
+    transcript: str
+    audit: dict[str, Any]
+
+    def of_type(self, kind: str) -> list[Event]:
+        return [e for e in self.session if e.type == kind]
+
+
+async def settled(log: SessionLog, session_id: str, requests: int) -> list[RawExchange]:
+    """Wait until the session's last turn is closed and the raw tee holds `requests` exchanges (both are written
+    after the client has its last byte), then return the exchanges."""
+
+    async def closed() -> bool:
+        _, session, _ = await log.load(session_id)
+        return len(session) > 0 and not session.turn_is_open
+
+    await eventually(closed, f"session {session_id}'s last turn is closed", WAIT_S)
+    exchanges: list[RawExchange] = []
+
+    async def teed() -> bool:
+        nonlocal exchanges
+        exchanges = await read_raw_exchanges(log.nc, log.settings.raw_stream, session_id)
+        return len(exchanges) >= requests
+
+    await eventually(teed, f"the raw tee of {session_id} holds {requests} exchanges", WAIT_S)
+    return exchanges
+
+
+async def recorded(
+    log: SessionLog, url: str, session_id: str, tmp_path: Path, *, requests: int, provider_bodies: list[dict[str, Any]]
+) -> Recorded:
+    """Export the session, then check it with the CLI the way an operator would, asserting what must hold for
+    every session record mode writes."""
+    exchanges = await settled(log, session_id, requests)
+    assert len(exchanges) == requests, [e.request_id for e in exchanges]
+    assert [e.outcome for e in exchanges] == ["complete"] * requests
+    file = tmp_path / f"{session_id}.jsonl"
+    succeeded(await sessionlog(url, "export", session_id, "-o", str(file)))
+    summary = succeeded(await sessionlog(url, "check", str(file)))
+    assert summary.startswith("ok: ") and "no open turn" in summary and "no torn tail" in summary, summary
+    session = Session(read_jsonl(file).events)
+
+    bodies = [json.loads(e.request) for e in exchanges]
+    assert bodies == provider_bodies, "the raw tee must hold exactly what the provider received"
+    for exchange, body in zip(exchanges, bodies, strict=True):
+        seq = exchange.session_seq
+        # the request was derived from the log just before its response began (SPEC's theorem)
+        assert session[seq + 1].type.startswith("assistant/"), (seq, session[seq + 1].type)
+        derived = json.loads(succeeded(await sessionlog(url, "derive", str(file), "--at", str(seq))))
+        prefix = session.prefix(seq)
+        assert derived == [m.to_builtins() for m in prefix.derive_messages()]
+        header = prefix.fold_request_header()
+        assert header is not None
+        expected = to_wire(prefix.derive_messages(), header)
+        assert canonical(body["messages"]) == canonical(expected["messages"]), f"request at seq {seq}"
+        assert {k: body.get(k) for k in expected} == expected, f"request fields at seq {seq}"
+        assert set(body) - set(expected) <= TRANSPORT, f"unlogged request fields at seq {seq}"
+
+    transcript = succeeded(await sessionlog(url, "transcript", str(file)))
+    audit = json.loads(succeeded(await sessionlog(url, "audit", session_id, "--local", "--json")))
+    assert audit["findings"] == [], audit["findings"]
+    assert audit["raw_exchanges"] == requests
+    return Recorded(session, file, exchanges, bodies, transcript, audit)
+
+
+def assert_example_session(rec: Recorded) -> None:
+    """The two-turn tool loop every example runs, as the log must hold it."""
+    assert [e.data.turn for e in rec.of_type("turn/end")] == [1, 2]
+    assert {e.data.reason.kind for e in rec.of_type("turn/end")} == {"completed"}
+    calls = rec.of_type("tool/call")
+    assert [(c.data.call_id, c.data.name, json.loads(c.data.arguments)) for c in calls] == [
+        ("call_add_1", "add", {"a": 2, "b": 3}),
+        ("call_add_2", "add", {"a": 5, "b": 5}),
+    ]
+    results = rec.of_type("tool/result")
+    assert [r.source_event_seqs for r in results] == [[c.seq] for c in calls]
+    assert [r.data.message.content[0].content[0].text for r in results] == ["5", "10"]
+    assert not any(e.is_replace for e in rec.session), "a faithful client never causes a replace"
+    users = [e.data.content[0].text for e in rec.of_type("user/message")]
+    assert users == list(EXAMPLE_QUESTIONS)
+    for line in ("2 + 3 = 5.", "Doubled, that is 10.", "[call call_add_1]: 5", "[call call_add_2]: 10"):
+        assert line in rec.transcript
+    # the last request carried the second call's result right after the call
+    last = rec.bodies[-1]["messages"]
+    assert [m["role"] for m in last[-2:]] == ["assistant", "tool"]
+    assert last[-2]["tool_calls"][0]["id"] == last[-1]["tool_call_id"] == "call_add_2"
+    assert rec.audit["ledger"]["total"]["requests"] == len(rec.exchanges)
+
+
+def streamed_steps(rec: Recorded) -> set[tuple[int, int]]:
+    return {(e.data.turn, e.data.step) for e in rec.of_type("assistant/chunk")}
+
+
+async def run_example(
+    provider: Provider, gateway: Gateway, argv: list[str], session_id: str, cwd: Path = REPO_ROOT
+) -> tuple[str, list[dict[str, Any]]]:
+    """Run one example as it is; return its output and the bodies the provider received while it ran."""
+    await provider.load(EXAMPLE_SCRIPT)
+    before = len(await provider.received())
+    done = await run([*argv, session_id], cwd=cwd, env=client_env(gateway))
+    out = succeeded(done)
+    for answer in EXAMPLE_ANSWERS:
+        assert answer in out, out
+    return out, (await provider.received())[before:]
+
+
+# ---------------------------------------------------------------------------------------------- the clients
+
+
+async def test_the_openai_python_sdk_unmodified_streaming_and_not_with_a_tool_loop(
+    provider: Provider, gateway: Gateway, log: SessionLog, nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    session_id = new_session_id("rec-py")
+    _, received = await run_example(provider, gateway, [sys.executable, "examples/record_openai.py"], session_id)
+    rec = await recorded(log, nats_server.url, session_id, tmp_path, requests=4, provider_bodies=received)
+    assert_example_session(rec)
+    assert [b.get("stream") is True for b in rec.bodies] == [False, False, True, True]
+    assert streamed_steps(rec) == {(2, 1), (2, 2)}, "turn 2 streamed: its chunks are logged as assistant/chunk"
+    usage = [e.data.usage for e in rec.of_type("assistant/message")]
+    assert all(u is not None for u in usage), "the SDK asked for usage (include_usage) and every reply had it"
+
+
+async def test_the_node_openai_package_unmodified_streaming_and_not_with_a_tool_loop(
+    provider: Provider,
+    gateway: Gateway,
+    log: SessionLog,
+    nats_server: EmbeddedServer,
+    node_clients: Path,
+    tmp_path: Path,
+) -> None:
+    session_id = new_session_id("rec-node")
+    node = shutil.which("node")
+    assert node is not None
+    _, received = await run_example(provider, gateway, [node, "record_chat.mjs"], session_id, cwd=node_clients)
+    rec = await recorded(log, nats_server.url, session_id, tmp_path, requests=4, provider_bodies=received)
+    assert_example_session(rec)
+    assert [b.get("stream") is True for b in rec.bodies] == [True, True, False, False]
+    assert streamed_steps(rec) == {(1, 1), (1, 2)}
+
+
+async def test_openai_agents_on_its_chat_completions_model_unmodified(
+    provider: Provider, gateway: Gateway, log: SessionLog, nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    session_id = new_session_id("rec-agents")
+    _, received = await run_example(provider, gateway, [sys.executable, "examples/record_agents.py"], session_id)
+    rec = await recorded(log, nats_server.url, session_id, tmp_path, requests=4, provider_bodies=received)
+    assert_example_session(rec)
+    assert [b.get("stream") is True for b in rec.bodies] == [False, False, True, True]
+    assert streamed_steps(rec) == {(2, 1), (2, 2)}
+    # the agent's function tool is strict: the flag is logged and forwarded, as a direct call would carry it
+    assert all(b["tools"][0]["function"].get("strict") is True for b in rec.bodies)
+
+
+async def test_models_are_listed_under_the_record_base_url(gateway: Gateway) -> None:
+    client = openai.AsyncOpenAI(base_url=gateway.base_url(new_session_id("rec-models")), api_key="unused")
+    models = await client.models.list()
+    assert [m.id async for m in models], "GET models answers under the record base URL"
+
+
+# ---------------------------------------------------------------------------------------------- compaction
+
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant."}
+COMPACTION_SCRIPT = [{"text": "First answer."}, {"text": "Second answer."}, {"text": "Third answer."}]
+SUMMARY = "Summary of the conversation so far: the user asked a first question and got the first answer."
+
+
+def sdk_client(gateway: Gateway, session_id: str) -> openai.OpenAI:
+    # the SDK's default retries stay on: a refusal must say it is final (x-should-retry: false)
+    return openai.OpenAI(base_url=gateway.base_url(session_id), api_key="unused", timeout=30)
+
+
+def two_turns(client: openai.OpenAI) -> list[Any]:
+    """Two ordinary turns; returns the history as the client holds it."""
+    messages: list[Any] = [SYSTEM]
+    for question in ("First question?", "Second question?"):
+        messages.append({"role": "user", "content": question})
+        response = client.chat.completions.create(model=MODEL, messages=messages)
+        messages.append(response.choices[0].message)
+    return messages
+
+
+def compacted(messages: list[Any]) -> list[Any]:
+    """What a framework's compaction sends: the first exchange swapped for a summary, the rest kept, a new
+    question appended."""
+    return [SYSTEM, {"role": "user", "content": SUMMARY}, *messages[3:], {"role": "user", "content": "Third question?"}]
+
+
+def texts(messages: list[Any]) -> list[str]:
+    return [m.content[0].text if m.content else "" for m in messages]
+
+
+async def test_a_framework_compaction_is_logged_as_a_replace_with_provenance_and_the_transcript_keeps_it_all(
+    provider: Provider, gateway: Gateway, log: SessionLog, nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    session_id = new_session_id("rec-compact")
+    await provider.load(COMPACTION_SCRIPT)
+    before = len(await provider.received())
+    client = sdk_client(gateway, session_id)
+    history = await asyncio.to_thread(two_turns, client)
+    answer = await asyncio.to_thread(client.chat.completions.create, model=MODEL, messages=compacted(history))
+    assert answer.choices[0].message.content == "Third answer."
+
+    received = (await provider.received())[before:]
+    rec = await recorded(log, nats_server.url, session_id, tmp_path, requests=3, provider_bodies=received)
+    replaces = [e for e in rec.session if e.is_replace]
+    assert len(replaces) == 1, [(e.seq, e.type, e.surface_op) for e in replaces]
+    replace = replaces[0]
+    first_exchange = [e.seq for e in rec.session if e.is_surface and e.seq < replace.seq][:2]
+    assert set(first_exchange) <= set(replace.source_event_seqs), "provenance covers every shadowed node"
+    final = texts(list(rec.session.derive_messages()))
+    assert final == [SUMMARY, "Second question?", "Second answer.", "Third question?", "Third answer."]
+    assert [m["content"] for m in rec.bodies[-1]["messages"]][1:] == final[:-1]
+    for kept in ("First question?", "First answer.", SUMMARY, "Third answer."):
+        assert kept in rec.transcript, "the transcript keeps what the user saw, and the summary"
+
+
+async def test_a_framework_compaction_is_refused_under_the_refuse_policy_and_the_provider_gets_nothing(
+    provider: Provider, refusing_gateway: Gateway, log: SessionLog
+) -> None:
+    session_id = new_session_id("rec-refuse")
+    await provider.load(COMPACTION_SCRIPT)
+    client = sdk_client(refusing_gateway, session_id)
+    history = await asyncio.to_thread(two_turns, client)
+    await settled(log, session_id, 2)
+    _, before, _ = await log.load(session_id)
+    received = len(await provider.received())
+    refusals = await refusing_gateway.refusals("DERIVATION_DIVERGES")
+
+    with pytest.raises(openai.ConflictError) as refused:
+        await asyncio.to_thread(client.chat.completions.create, model=MODEL, messages=compacted(history))
+    assert refused.value.status_code == 409
+    assert refused.value.response.headers.get("x-should-retry") == "false"
+    assert refused.value.code == "DERIVATION_DIVERGES"
+    assert len(await provider.received()) == received, "the provider received nothing"
+    assert await refusing_gateway.refusals("DERIVATION_DIVERGES") == refusals + 1, "the SDK did not retry"
+    _, after, _ = await log.load(session_id)
+    assert [e.raw for e in after] == [e.raw for e in before], "a refused request leaves the log as it was"
+
+    # the faithful continuation still goes through
+    history.append({"role": "user", "content": "Third question?"})
+    answer = await asyncio.to_thread(client.chat.completions.create, model=MODEL, messages=history)
+    assert answer.choices[0].message.content == "Third answer."

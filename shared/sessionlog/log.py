@@ -214,8 +214,10 @@ class SessionLog:
         origin: str | None = None,
         delegation_depth: int = 0,
         created_at: int | None = None,
+        tenant: str | None = None,
     ) -> SessionWriter:
-        """A new, empty session, visible at once, held by the returned writer."""
+        """A new, empty session, visible at once, held by the returned writer. `tenant` (the gateway's record mode)
+        is kept in the header: the session belongs to it."""
         if await self._require_absent(session_id) is not None:
             raise SessionAlreadyExists(f"session {session_id} has records from an unfinished import or fork")
         header: dict[str, Any] = {
@@ -229,6 +231,8 @@ class SessionLog:
         if origin is not None:
             header["origin"] = origin
         header["delegationDepth"] = delegation_depth
+        if tenant is not None:
+            header["tenant"] = tenant
         lease = await self._acquire(session_id)
         try:
             await self._publish_header(session_id, msgspec.json.encode(header))
@@ -238,12 +242,15 @@ class SessionLog:
         return SessionWriter(self, session_id, Session(), last_stream_seq=0, lease=lease)
 
     @translates_unavailable("open session {session_id}")
-    async def open(self, session_id: str) -> SessionWriter:
-        """Continue a session whose last turn is closed; one a crash left open needs `resume`."""
+    async def open(self, session_id: str, *, continue_open_turn: bool = False) -> SessionWriter:
+        """Continue a session whose last turn is closed; one a crash left open needs `resume`.
+
+        `continue_open_turn` takes over an open turn as it is (the gateway's record mode, whose turns stay open
+        between requests: the lease, now ours, says its last holder is gone or let it go)."""
         lease = await self._acquire(session_id)
         try:
             _, session, last = await self.load(session_id)
-            if session.open_turn is not None:
+            if session.open_turn is not None and not continue_open_turn:
                 raise OpenTurn(
                     f"session {session_id} has turn {session.open_turn} open; resume it to close the turn first"
                 )

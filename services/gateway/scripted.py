@@ -2,7 +2,7 @@
 
 For offline demos, tests and benchmarks. It streams SSE chunks (`data: {...}` lines, then `data: [DONE]`) or
 answers one JSON object, exactly as an OpenAI-compatible provider does, and records every request body it
-received, so a test can assert that a refused request never reached it.
+received, so a test can assert that a refused request never reached it. `GET /v1/models` lists its model.
 
 A script is a JSON array or JSONL file of replies, used in order (`cycle` repeats them). A reply is an object:
 
@@ -151,6 +151,10 @@ class ScriptedProvider:
         self.load(replies)
         return JSONResponse({"replies": len(replies)})
 
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
+                                                          "owned_by": "scripted"}]})  # fmt: skip
+
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -159,6 +163,8 @@ class ScriptedProvider:
             routes=[
                 Route("/v1/chat/completions", self.completions, methods=["POST"]),
                 Route("/chat/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/models", self.models, methods=["GET"]),
                 Route("/_scripted/requests", self.requests, methods=["GET"]),
                 Route("/_scripted/script", self.replace_script, methods=["POST"]),
                 Route("/healthz", self.health, methods=["GET"]),

@@ -51,13 +51,10 @@ RUN_S = 90.0  # the bound of one client or CLI subprocess
 WAIT_S = 15.0
 TRANSPORT = {"stream", "stream_options"}  # request fields that shape the transport, not what the model sees
 
-# What the provider answers the examples: a tool call and an answer per turn, two turns.
-EXAMPLE_SCRIPT: list[dict[str, Any]] = [
-    {"tool_calls": [{"id": "call_add_1", "name": "add", "arguments": '{"a": 2, "b": 3}'}]},
-    {"text": "2 + 3 = 5."},
-    {"tool_calls": [{"id": "call_add_2", "name": "add", "arguments": '{"a": 5, "b": 5}'}]},
-    {"text": "Doubled, that is 10."},
-]
+# What the provider answers the examples (the README's walkthrough serves the same file): a tool call and an
+# answer per turn, two turns; then one answer for the check-mode example.
+SCRIPT: list[dict[str, Any]] = json.loads((REPO_ROOT / "examples" / "record_script.json").read_text())
+EXAMPLE_SCRIPT, CHECK_MODE_SCRIPT = SCRIPT[:4], SCRIPT[4:]
 EXAMPLE_QUESTIONS = ("What is 2 + 3?", "And that doubled?")
 EXAMPLE_ANSWERS = ("answer: 2 + 3 = 5.", "answer: Doubled, that is 10.")
 
@@ -365,6 +362,21 @@ async def test_openai_agents_on_its_chat_completions_model_unmodified(
     assert streamed_steps(rec) == {(2, 1), (2, 2)}
     # the agent's function tool is strict: the flag is logged and forwarded, as a direct call would carry it
     assert all(b["tools"][0]["function"].get("strict") is True for b in rec.bodies)
+
+
+async def test_an_agent_that_writes_its_own_log_in_check_mode(
+    provider: Provider, gateway: Gateway, log: SessionLog, nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    session_id = new_session_id("check")
+    await provider.load(CHECK_MODE_SCRIPT)
+    before = len(await provider.received())
+    env = {**client_env(gateway), "SESSIONLOG_NATS_URL": nats_server.url}
+    out = succeeded(await run([sys.executable, "examples/check_mode.py", session_id], env=env))
+    assert "answer: 2 + 3 = 5." in out
+    received = (await provider.received())[before:]
+    rec = await recorded(log, nats_server.url, session_id, tmp_path, requests=1, provider_bodies=received)
+    assert [e.type for e in rec.session][-3:] == ["assistant/message", "step/end", "turn/end"]
+    assert rec.audit["ledger"]["total"]["requests"] == 1
 
 
 async def test_models_are_listed_under_the_record_base_url(gateway: Gateway) -> None:

@@ -101,6 +101,7 @@ def test_the_walkthrough_runs_as_written(tmp_path: Path) -> None:
         SESSIONLOG_GATEWAY_PORT=str(gateway_port),
         SESSIONLOG_UI_PORT=str(free_port()),
         SESSIONLOG_METRICS_PORT=str(free_port()),
+        SESSIONLOG_LEASE_TTL_S="1",
         GATEWAY_URL=f"http://127.0.0.1:{gateway_port}",
         COLUMNS="200",
     )

@@ -18,11 +18,15 @@ import msgspec
 import pytest
 import pytest_asyncio
 from natsfixtures import new_session_id
-from scaffold import eventually
+from scaffold import Opened, eventually
 
 from services.gateway import GatewayConfig, ScriptedProvider, ServerThread, UpstreamConfig, build_app
 from services.repairer.service import RepairerService
 from sessionlog.audit import RawAssembler, audit_session
+from sessionlog.cli import main as cli_main
+from sessionlog.embedded import free_port
+from sessionlog.errors import SessionLogError
+from sessionlog.jsonl import read_jsonl
 from sessionlog.log import SessionLog
 from sessionlog.session import Session
 from sessionlog.settings import Settings
@@ -179,7 +183,9 @@ def theorem_requests(session: Session) -> list[dict[str, Any]]:
     out = []
     for event in session:
         first_answer = event.type == "assistant/chunk" or (
-            event.type == "assistant/message" and event.surface_op == "append" and event.data.message.source.kind == "model"
+            event.type == "assistant/message"
+            and event.surface_op == "append"
+            and event.data.message.source.kind == "model"
         )
         if not first_answer:
             continue
@@ -269,3 +275,358 @@ async def test_models_are_listed_under_the_record_base_url(http: httpx.AsyncClie
     response = await http.get(base(gateway, new_session_id("rec")) + "/models")
     assert response.status_code == 200, response.text
     assert response.json()["data"][0]["id"]
+
+
+# ---------------------------------------------------------------------------------------------- history edits
+
+
+async def two_turns(http: httpx.AsyncClient, server: ServerThread, provider: ScriptedProvider, sid: str) -> list[Any]:
+    """Two plain turns through record mode; returns the messages the client holds after them."""
+    provider.load([{"text": "First answer."}, {"text": "Second answer."}])
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "First question?"}]
+    for question in ("Second question?", None):
+        response = await complete(http, server, sid, {"model": "scripted-model", "messages": messages})
+        assert response.status_code == 200, response.text
+        messages.append(response.json()["choices"][0]["message"])
+        if question:
+            messages.append({"role": "user", "content": question})
+    return messages
+
+
+async def test_a_client_compaction_is_logged_as_a_replacement_with_provenance_and_the_transcript_keeps_it(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    await two_turns(http, gateway, provider, sid)
+    before = await load(log, sid)
+    originals = [e.seq for e in before.transcript()]
+    compacted = [SYSTEM, {"role": "user", "content": "Summary: two questions, two answers."},
+                 {"role": "user", "content": "Third question?"}]  # fmt: skip
+    provider.load([{"text": "Third answer."}])
+    response = await complete(http, gateway, sid, {"model": "scripted-model", "messages": compacted})
+    assert response.status_code == 200, response.text
+    session = await load(log, sid)
+    replace = next(e for e in session if e.is_replace)
+    assert replace.type == "user/message"
+    assert replace.surface_op == {"op": "replace", "start": originals[0], "end": originals[-1]}
+    assert replace.source_event_seqs == sorted(before.surface.nodes)  # every shadowed node
+    assert [e.seq for e in session.transcript()][: len(originals)] == originals  # the originals stay
+    assert without_transport(provider.received[-1])["messages"] == compacted
+    assert canonical(theorem_requests(session)[-1]) == canonical(without_transport(provider.received[-1]))
+    assert session.open_turn is None and session.generation == 1
+
+
+async def test_a_truncation_and_an_edited_tool_result_are_logged_without_splitting_a_tool_pair(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "It says hello."}, {"text": "Again."}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Read my notes"}]
+    body = {"model": "scripted-model", "tools": TOOLS}
+    first = await complete(http, gateway, sid, {**body, "messages": messages})
+    messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]
+    second = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert second.status_code == 200, second.text
+    # the framework shortens the tool output it keeps in context, drops the last answer, and asks again
+    edited = [*messages[:2], {"role": "tool", "tool_call_id": "call_1", "content": "hel…"}]
+    third = await complete(http, gateway, sid, {**body, "messages": edited})
+    assert third.status_code == 200, third.text
+    session = await load(log, sid)
+    replace = next(e for e in session if e.is_replace)
+    assert replace.type == "assistant/message"  # starts at the call, so the pair stays whole
+    sent = without_transport(provider.received[-1])["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool"] and sent[2]["content"] == "hel…"
+    assert session.open_turn is None
+
+
+async def test_the_refuse_policy_refuses_a_history_edit_and_the_provider_receives_nothing(
+    http: httpx.AsyncClient, refusing_gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    await two_turns(http, refusing_gateway, provider, sid)
+    length = len(await load(log, sid))
+    provider.clear()
+    compacted = [SYSTEM, {"role": "user", "content": "Summary."}, {"role": "user", "content": "Third?"}]
+    response = await complete(http, refusing_gateway, sid, {"model": "scripted-model", "messages": compacted})
+    assert response.status_code == 409
+    assert response.json()["error"]["code"] == "DERIVATION_DIVERGES"
+    assert response.headers["x-should-retry"] == "false"
+    assert provider.received == []
+    assert len(await load(log, sid)) == length
+
+
+# ---------------------------------------------------------------------------------------------- one at a time, tenants
+
+
+async def test_a_concurrent_request_is_session_busy_and_the_session_is_free_after_the_reply(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "slow", "delay_s": 1.0}, {"text": "next"}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    slow = asyncio.ensure_future(complete(http, gateway, sid, body))
+
+    async def provider_has_it() -> bool:
+        return len(provider.received) == 1
+
+    await eventually(provider_has_it, "the first request reaching the provider")
+    busy = await complete(http, gateway, sid, body)
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "SESSION_BUSY"
+    assert busy.headers["x-should-retry"] == "false"
+    first = await slow
+    assert first.status_code == 200
+    follow = [*body["messages"], first.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+    nxt = await complete(http, gateway, sid, {"model": "scripted-model", "messages": follow})
+    assert nxt.status_code == 200, nxt.text
+    assert len(provider.received) == 2
+
+
+async def test_a_session_belongs_to_the_tenant_that_created_it(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "yours"}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    assert (await complete(http, gateway, sid, body)).status_code == 200
+    header = await log.header(sid)
+    assert header is not None and msgspec.json.decode(header)["tenant"] == "tenant-a"
+    url = base(gateway, sid) + "/chat/completions"
+    async with httpx.AsyncClient(timeout=10) as other:
+        foreign = await other.post(url, json=body, headers={"authorization": f"Bearer {KEY_B}"})
+        assert foreign.status_code == 404 and foreign.json()["error"]["code"] == "SESSION_NOT_FOUND"
+        for headers in ({}, {"authorization": "Bearer sk-wrong"}):
+            anonymous = await other.post(url, json=body, headers=headers)
+            assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "UNAUTHORIZED"
+    assert len(provider.received) == 1
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+
+async def test_a_client_that_disconnects_mid_stream_leaves_an_aborted_turn_and_its_next_request_extends_the_log(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "one two three four five six seven eight", "chunk_delay_s": 0.2}, {"text": "ok"}])
+    messages = [{"role": "user", "content": "count"}]
+    body = {"model": "scripted-model", "stream": True, "messages": messages}
+    async with http.stream("POST", base(gateway, sid) + "/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        seen = b""
+        async for data in response.aiter_bytes():
+            seen += data
+            if b'"content":"one' in seen:
+                break  # the user pressed stop after the first word
+
+    async def aborted() -> bool:
+        session = await load(log, sid)
+        return session.open_turn is None and any(e.type == "turn/end" for e in session)
+
+    await eventually(aborted, "the turn ended after the disconnect")
+    session = await load(log, sid)
+    end = [e for e in session if e.type == "turn/end"][-1]
+    assert msgspec.json.decode(end.raw)["data"]["reason"] == {"kind": "aborted", "reason": {"kind": "user"}}
+    assert any(e.type == "assistant/chunk" for e in session)
+    assert not any(e.type == "assistant/message" for e in session)
+    again = [*messages, {"role": "user", "content": "again"}]
+    follow = await complete(http, gateway, sid, {"model": "scripted-model", "messages": again})
+    assert follow.status_code == 200, follow.text
+    assert not any(e.is_replace for e in await load(log, sid))
+
+
+async def test_a_provider_error_ends_the_turn_as_an_error_and_a_retry_continues(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"status": 500, "error": "overloaded"}, {"text": "fine now"}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    failed = await complete(http, gateway, sid, body)
+    assert failed.status_code >= 500
+    session = await load(log, sid)
+    end = [e for e in session if e.type == "turn/end"][-1]
+    reason = msgspec.json.decode(end.raw)["data"]["reason"]
+    assert reason["kind"] == "error" and reason["error"]["status"] == 500
+    retried = await complete(http, gateway, sid, body)
+    assert retried.status_code == 200, retried.text
+    session = await load(log, sid)
+    assert [e.type for e in session if e.type.startswith("turn/")] == ["turn/start", "turn/end"] * 2
+    assert not any(e.is_replace for e in session)
+    assert without_transport(provider.received[1]) == without_transport(provider.received[0])
+
+
+async def test_a_gateway_killed_mid_stream_leaves_an_open_turn_that_the_repairer_closes(
+    provisioned: Settings, provider_server: ServerThread, provider: ScriptedProvider, log: SessionLog, url: str
+) -> None:
+    sid = new_session_id("rec")
+    port = free_port()
+    env = {
+        **os.environ,
+        "SESSIONLOG_NATS_URL": url,
+        "SESSIONLOG_GATEWAY_PORT": str(port),
+        "SESSIONLOG_PROVIDER_BASE_URL": provider_server.url + "/v1",
+        "SESSIONLOG_LEASE_TTL_S": "1",
+        "SESSIONLOG_METRICS_PORT": "0",
+        "SESSIONLOG_GATEWAY_KEYS": msgspec.json.encode({digest(KEY_A): "tenant-a"}).decode(),
+    }
+    root = Path(__file__).resolve().parents[1]
+    process = subprocess.Popen([sys.executable, "-m", "services.gateway", "--derivation", "stream"], env=env, cwd=root,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        gateway_url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(timeout=10, headers={"authorization": f"Bearer {KEY_A}"}) as client:
+
+            async def up() -> bool:
+                try:
+                    return (await client.get(gateway_url + "/healthz")).status_code == 200
+                except httpx.HTTPError:
+                    return process.poll() is not None  # ends the wait; the assert below says why
+
+            await eventually(up, "the gateway process serving")
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            provider.load([{"text": "one two three four five six seven eight nine ten", "chunk_delay_s": 0.3}])
+            body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "count"}]}
+            url_ = f"{gateway_url}/record/{sid}/v1/chat/completions"
+
+            async def chunks_logged() -> bool:
+                try:
+                    return any(e.type == "assistant/chunk" for e in await load(log, sid))
+                except SessionLogError:
+                    return False
+
+            async with client.stream("POST", url_, json=body) as response:
+                assert response.status_code == 200
+                seen = b""
+                async for data in response.aiter_bytes():
+                    seen += data
+                    if b'"content":"two' in seen:
+                        await eventually(chunks_logged, "the first chunks durable")
+                        # mid-stream, the client still reading: the turn stays open under a lease nobody refreshes
+                        process.send_signal(signal.SIGKILL)
+                        process.wait(timeout=10)
+                        break
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    session = await load(log, sid)
+    assert session.open_turn is not None and session.open_step is not None
+    length = len(session)
+    async with Opened(url, lease_ttl_s=1, repair_grace_s=0.3) as opened:
+        repairer_log = await opened.connect()
+        service = opened.keep_service(RepairerService(repairer_log))
+        await service.start()
+
+        async def closed() -> bool:
+            return (await load(log, sid)).open_turn is None
+
+        await eventually(closed, "the repairer closing the turn")
+    session = await load(log, sid)
+    closers = [e.type for e in list(session)[length:]]
+    assert closers == ["step/end", "turn/end"]
+    assert msgspec.json.decode(session[len(session) - 1].raw)["data"]["reason"] == {"kind": "interrupted"}
+
+
+# ---------------------------------------------------------------------------------------------- the tools on the result
+
+
+async def cli(monkeypatch: pytest.MonkeyPatch, settings: Settings, *argv: str) -> int:
+    monkeypatch.setenv("SESSIONLOG_NATS_URL", settings.nats_url or "")
+    return await asyncio.to_thread(cli_main, list(argv))
+
+
+async def test_export_check_derive_transcript_and_audit_agree_with_what_the_provider_received(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    provisioned: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    sid = new_session_id("rec")
+    await two_turns(http, gateway, provider, sid)
+    provider.load([{"text": "Third answer.", "usage": {"prompt_tokens": 30, "completion_tokens": 2}}])
+    compacted = [SYSTEM, {"role": "user", "content": "Summary."}, {"role": "user", "content": "Third question?"}]
+    assert (await complete(http, gateway, sid, {"model": "scripted-model", "messages": compacted})).status_code == 200
+    await raw_exchanges(log, provisioned, sid, 3)
+    out = tmp_path / "rec.jsonl"
+    assert await cli(monkeypatch, provisioned, "export", sid, "-o", str(out)) == 0
+    assert await cli(monkeypatch, provisioned, "check", str(out)) == 0
+    assert "ok: " in capfd.readouterr().out
+    session = Session(read_jsonl(out).events)
+    requests = theorem_requests(session)
+    assert [canonical(r) for r in requests] == [canonical(without_transport(b)) for b in provider.received]
+    answer = next(e.seq for e in reversed(list(session)) if e.type == "assistant/message")
+    assert await cli(monkeypatch, provisioned, "derive", str(out), "--at", str(answer - 1)) == 0
+    derived = msgspec.json.decode(capfd.readouterr().out)
+    texts = [block["text"] for message in derived for block in message["content"]]
+    assert texts == [m["content"] for m in compacted[1:]]  # what the provider received, message for message
+    assert await cli(monkeypatch, provisioned, "transcript", str(out), "--json") == 0
+    shown = capfd.readouterr().out
+    assert "First question?" in shown and "Second answer." in shown  # the compaction erased nothing
+    assert await cli(monkeypatch, provisioned, "audit", sid, "--local", "--json") == 0
+    report = msgspec.json.decode(capfd.readouterr().out)
+    assert report["findings"] == [] and report["ledger_difference"] == []
+    assert report["provider_ledger"]["total"]["requests"] == 3 == report["ledger"]["total"]["requests"]
+
+
+async def test_audit_exits_non_zero_when_there_are_findings(
+    log: SessionLog, provisioned: Settings, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    writer = await log.create(new_session_id("bad"))
+    try:
+        await writer.emit("turn/start", {"turn": 1})
+        await writer.emit("step/start", {"turn": 1, "step": 1})
+        for chunk in ({"type": "block-start", "index": 0, "blockType": "text"},
+                      {"type": "text-delta", "index": 0, "text": "streamed"},
+                      {"type": "finish", "reason": {"kind": "stop"}}):  # fmt: skip
+            await writer.emit("assistant/chunk", {"turn": 1, "step": 1, "chunk": chunk})
+        message = {"id": "a1", "role": "assistant", "source": {"kind": "model"},
+                   "content": [{"type": "text", "text": "something else"}]}  # fmt: skip
+        await writer.emit("assistant/message", {"turn": 1, "step": 1, "message": message}, surface_op="append",
+                          source_event_seqs=[2, 3, 4])  # fmt: skip
+        await writer.emit("step/end", {"turn": 1, "step": 1})
+        await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}})
+    finally:
+        await writer.close()
+    assert await cli(monkeypatch, provisioned, "audit", writer.session_id, "--local") == 1
+    assert "MESSAGE_DIFFERS_FROM_CHUNKS" in capfd.readouterr().out
+
+
+async def test_a_second_replica_takes_an_idle_session_over_and_is_refused_a_busy_one(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provisioned: Settings,
+    provider_server: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+) -> None:
+    sid = new_session_id("rec")
+    settings = record_settings(provisioned)
+    with ServerThread(build_app(settings, record_config(settings, provider_server.url))) as replica:
+        provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "done", "delay_s": 1.0}, {"text": "after"}])
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "read"}]
+        body = {"model": "scripted-model", "tools": TOOLS}
+        first = await complete(http, gateway, sid, {**body, "messages": messages})
+        assert first.status_code == 200, first.text
+        # the turn is open (a tool call is pending) and the first replica holds the session; the second asks for it
+        messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "x"}]
+        slow = asyncio.ensure_future(complete(http, replica, sid, {**body, "messages": messages}))
+
+        async def provider_has_it() -> bool:
+            return len(provider.received) == 2
+
+        await eventually(provider_has_it, "the second request reaching the provider through the replica")
+        busy = await complete(http, gateway, sid, {**body, "messages": messages})  # the replica is answering
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "SESSION_BUSY"
+        second = await slow
+        assert second.status_code == 200, second.text
+        messages += [second.json()["choices"][0]["message"], {"role": "user", "content": "and now?"}]
+        back = await complete(http, gateway, sid, {**body, "messages": messages})  # and back to the first replica
+        assert back.status_code == 200, back.text
+    session = await load(log, sid)
+    assert types(session).count("turn/end") == 2 and not any(e.is_replace for e in session)
+    assert [canonical(r) for r in theorem_requests(session)] == [
+        canonical(without_transport(b)) for b in provider.received
+    ]

@@ -61,7 +61,7 @@ from .derivation import ContextDeriverClient, Derivation, DerivationSource, Stre
 from .metrics import GatewayMetrics
 from .record import Recorder
 from .tee import H_REQUEST_ID, RawTee
-from .tenants import Tenants, Unauthorized
+from .tenants import Tenants
 from .upstream import (
     Upstream,
     UpstreamConfig,
@@ -374,7 +374,9 @@ class Gateway:
         upstream = self._route(derivation.header.header.config.provider)
         call.route = upstream.name
         model = derivation.header.header.config.model
-        forwarded = upstream.forward_body({**msgspec.json.decode(body), "model": model}, body)
+        forwarded = body
+        if model in upstream.config.model_map:  # decoded only for a rename: the body is the whole context
+            forwarded = upstream.forward_body({**msgspec.json.decode(body), "model": model}, body)
         call.invariant_s = time.perf_counter() - call.started
         self.metrics.invariant_seconds.observe(call.invariant_s)
         return await self._forward(request, call, upstream, forwarded, observer)

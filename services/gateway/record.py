@@ -48,7 +48,7 @@ from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from sessionlog.errors import Conflict, DerivationDiverges, SessionLogError, SessionNotFound, SessionAlreadyExists
+from sessionlog.errors import Conflict, DerivationDiverges, SessionAlreadyExists, SessionLogError, SessionNotFound
 from sessionlog.events import ToolCallBlock, ToolResultBlock
 from sessionlog.ids import check_session_id
 from sessionlog.leases import LeaseHeld
@@ -103,6 +103,7 @@ class _Held:
     # the generation its messages were all logged in: the next request that starts with those bytes (an agent's
     # next request repeats its context) is matched from there, so a request costs O(new messages).
     memo: tuple[bytes, int, int, dict[str, Any] | None, int] | None = None
+    header: tuple[bytes, bytes] | None = None  # the folded header's bytes and their canonical form
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -181,7 +182,9 @@ class Recorder:
         """Another replica asks for a session: let it go unless a request is in flight."""
         session_id = msg.subject[len(RELEASE_PREFIX) :]
         held = self._held.get(session_id)
-        if held is not None and held.busy:
+        if held is None or held.writer is None:
+            return  # not the holder (the asking replica hears its own question too): only the holder answers
+        if held.busy:
             answer = b"busy"
         else:
             await self._let_go(session_id)
@@ -192,7 +195,7 @@ class Recorder:
     # ---------------------------------------------------------------------------------- endpoints
 
     async def models(self, request: Request) -> Response:
-        from .app import error_body, _request_id, _status_of
+        from .app import _request_id, _status_of, error_body
 
         request_id = _request_id()
         try:
@@ -344,7 +347,9 @@ class Recorder:
         fields = {k: v for k, v in parsed.items() if k != "messages"}
         header = request_header(fields, provider=self.gateway.record_provider, system=system)
         folded = session.fold_request_header()
-        header_changed = folded is None or canonical(header) != canonical(folded.to_builtins())
+        if folded is not None and (held.header is None or held.header[0] != folded.raw):
+            held.header = (folded.raw, canonical(folded.to_builtins()))
+        header_changed = folded is None or held.header is None or canonical(header) != held.header[1]
         if p < len(derived):
             if self.history_edits == "refuse":
                 offset = 1 if client.system is not None else 0
@@ -356,7 +361,10 @@ class Recorder:
                 )
             start, new = self._edit(session, derived, client, p)
         else:
-            start, new = None, [self._to_log(m, client.known + i) for i, m in enumerate(client.tail[p - client.known :])]
+            start, new = (
+                None,
+                [self._to_log(m, client.known + i) for i, m in enumerate(client.tail[p - client.known :])],
+            )
         await self._write(writer, new, start, header if header_changed else None, folded is None)
         await writer.flush()
         session = writer.session
@@ -472,7 +480,9 @@ class Recorder:
             turn = session.last_turn + 1
             await writer.emit("turn/start", {"turn": turn})
         for item in new[:lead]:
-            await self._tool_result(writer, turn, step.number if step else 0, item, session.tool_call_event(item.call_id))
+            await self._tool_result(
+                writer, turn, step.number if step else 0, item, session.tool_call_event(item.call_id)
+            )
         if session.open_step is not None:
             await writer.emit("step/end", {"turn": turn, "step": session.open_step.number})
         number = session.last_step + 1 if session.open_turn == turn and session.last_step else 1
@@ -493,8 +503,9 @@ class Recorder:
                 data = {"turn": turn, "step": number, "message": item.message}
                 await writer.emit("assistant/message", data, **surface)
                 for c in item.calls:
-                    event = await writer.emit("tool/call", {"turn": turn, "step": number, "callId": c["id"],
-                                                            "name": c["name"], "arguments": c["arguments"]})  # fmt: skip
+                    call_data = {"turn": turn, "step": number, "callId": c["id"], "name": c["name"],
+                                 "arguments": c["arguments"]}  # fmt: skip
+                    event = await writer.emit("tool/call", call_data)
                     calls[c["id"]] = event.seq
             else:
                 await self._tool_result(writer, turn, number, item, calls.get(item.call_id))
@@ -517,7 +528,7 @@ class Recorder:
         divergence = compare_request({**fields, "messages": msgspec.Raw(expected)}, messages, header, cache=cache)
         if divergence is not None:
             raise divergence.error()
-        transport = {k: fields[k] for k in ("stream", "stream_options") if k in fields}
+        transport: dict[str, Any] = {k: fields[k] for k in ("stream", "stream_options") if k in fields}
         body = checked_body({**cache.expected_fields(header)[1], **transport}, expected)
         call.derivation = Derivation(
             session_id=call.session_id,
@@ -614,7 +625,9 @@ class _Exchange:
                 try:
                     self.assembler.completion(msgspec.json.decode(body))
                 except msgspec.DecodeError:
-                    await self._close("error", {"message": "the provider's answer is not JSON", "code": "UPSTREAM_ERROR"})
+                    await self._close(
+                        "error", {"message": "the provider's answer is not JSON", "code": "UPSTREAM_ERROR"}
+                    )
                     return
             else:
                 for chunk in self.assembler.end():

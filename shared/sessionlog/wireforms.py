@@ -44,7 +44,12 @@ from .errors import UnsupportedContent
 
 _encoder: Final = msgspec.json.Encoder(order="sorted")
 
-OPENAI_FINISH: Final = {"stop": "stop", "tool_calls": "tool-calls", "length": "max-tokens", "function_call": "tool-calls"}
+OPENAI_FINISH: Final = {
+    "stop": "stop",
+    "tool_calls": "tool-calls",
+    "length": "max-tokens",
+    "function_call": "tool-calls",
+}
 TRANSPORT_FIELDS: Final = frozenset({"stream", "stream_options"})
 _SNAKE_FIELD: Final = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
 _TOOL_KEYS: Final = ("name", "description", "parameters", "strict")
@@ -316,9 +321,9 @@ class ResponseAssembler:
         slot = self._calls.setdefault(position, {"id": "", "name": "", "arguments": ""})
         if isinstance(call.get("id"), str) and call["id"]:
             slot["id"] = call["id"]
-        function = call.get("function") if isinstance(call.get("function"), dict) else {}
-        name = function.get("name") if isinstance(function.get("name"), str) else ""
-        piece = function.get("arguments") if isinstance(function.get("arguments"), str) else ""
+        function: dict[str, Any] = call["function"] if isinstance(call.get("function"), dict) else {}
+        name: str = function["name"] if isinstance(function.get("name"), str) else ""
+        piece: str = function["arguments"] if isinstance(function.get("arguments"), str) else ""
         if name:
             slot["name"] = name
         slot["arguments"] += piece

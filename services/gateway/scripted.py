@@ -153,7 +153,7 @@ class ScriptedProvider:
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
-                                                          "owned_by": "scripted"}]})  # fmt: skip
+                                                         "owned_by": "scripted"}]})  # fmt: skip
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})

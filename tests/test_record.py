@@ -317,7 +317,7 @@ async def test_a_client_compaction_is_logged_as_a_replacement_with_provenance_an
 
 
 async def test_a_truncation_and_an_edited_tool_result_are_logged_without_splitting_a_tool_pair(
-    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, provisioned: Settings
 ) -> None:
     sid = new_session_id("rec")
     provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "It says hello."}, {"text": "Again."}])
@@ -337,6 +337,10 @@ async def test_a_truncation_and_an_edited_tool_result_are_logged_without_splitti
     sent = without_transport(provider.received[-1])["messages"]
     assert [m["role"] for m in sent] == ["user", "assistant", "tool"] and sent[2]["content"] == "hel…"
     assert session.open_turn is None
+    assert msgspec.json.decode(replace.raw)["data"]["message"]["source"]["kind"] == "client"  # not a new answer
+    report = audit_session(session, await raw_exchanges(log, provisioned, sid, 3), session_id=sid).report()
+    assert report.findings == [] and report.raw_matched == 3
+    assert report.ledger.total.requests == 3 and report.ledger_difference == []
 
 
 async def test_the_refuse_policy_refuses_a_history_edit_and_the_provider_receives_nothing(
@@ -630,3 +634,44 @@ async def test_a_second_replica_takes_an_idle_session_over_and_is_refused_a_busy
     assert [canonical(r) for r in theorem_requests(session)] == [
         canonical(without_transport(b)) for b in provider.received
     ]
+
+
+async def test_a_tool_loop_interrupted_by_a_gateway_restart_goes_on_with_the_real_result_as_an_edit(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provisioned: Settings,
+    provider_server: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    url: str,
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "It says hello."}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Read my notes"}]
+    body = {"model": "scripted-model", "tools": TOOLS}
+    settings = record_settings(provisioned, lease_ttl_s=1)
+    with ServerThread(build_app(settings, record_config(settings, provider_server.url))) as restarting:
+        first = await complete(http, restarting, sid, {**body, "messages": messages})
+        assert first.status_code == 200, first.text
+    # that gateway stopped (its sessions let go) while the client ran the tool; the repairer closes the open turn
+    async with Opened(url, lease_ttl_s=1, repair_grace_s=0.3) as opened:
+        service = opened.keep_service(RepairerService(await opened.connect()))
+        await service.start()
+
+        async def closed() -> bool:
+            return (await load(log, sid)).open_turn is None
+
+        await eventually(closed, "the repairer closing the tool loop's turn")
+    messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]
+    second = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert second.status_code == 200, second.text
+    session = await load(log, sid)
+    synthetic = next(e for e in session if e.type == "tool/result")
+    assert msgspec.json.decode(synthetic.raw)["data"]["error"]["code"] == "TOOL_OUTCOME_UNKNOWN"
+    replace = next(e for e in session if e.is_replace)
+    assert synthetic.seq in replace.source_event_seqs
+    assert without_transport(provider.received[-1])["messages"][-1] == {
+        "role": "tool", "tool_call_id": "call_1", "content": "hello"
+    }  # fmt: skip
+    assert synthetic.seq in [e.seq for e in session.transcript()]  # what happened stays in the transcript
+    assert session.open_turn is None and session.generation == 1

@@ -48,14 +48,21 @@ from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from sessionlog.errors import Conflict, DerivationDiverges, SessionAlreadyExists, SessionLogError, SessionNotFound
+from sessionlog.errors import (
+    Conflict,
+    DerivationDiverges,
+    InvalidRequest,
+    SessionAlreadyExists,
+    SessionLogError,
+    SessionNotFound,
+)
 from sessionlog.events import ToolCallBlock, ToolResultBlock
 from sessionlog.ids import check_session_id
 from sessionlog.leases import LeaseHeld
 from sessionlog.log import SessionWriter
 from sessionlog.session import DerivedMessage, Session
 from sessionlog.surface import ReplaceOp
-from sessionlog.wire import PHRASE, InvalidRequest, WireCache, checked_body, compare_request, parse_request
+from sessionlog.wire import PHRASE, WireCache, compare_request, parse_request
 from sessionlog.wireforms import (
     ResponseAssembler,
     SseLines,
@@ -104,6 +111,7 @@ class _Held:
     # next request repeats its context) is matched from there, so a request costs O(new messages).
     memo: tuple[bytes, int, int, dict[str, Any] | None, int] | None = None
     header: tuple[bytes, bytes] | None = None  # the folded header's bytes and their canonical form
+    dirty: bool = False  # events of a request are queued but not flushed: a failure now must not publish them
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -224,14 +232,14 @@ class Recorder:
             exchange = await self._log_request(call, held, writer, parsed)
         except SessionLogError as err:
             if held is not None:
-                self._free(call.session_id, held, broken=isinstance(err, Conflict))
+                self._free(call.session_id, held, broken=isinstance(err, Conflict) or held.dirty)
             return gateway.refuse(call, err)
         except BaseException:
             if held is not None:
                 self._free(call.session_id, held, broken=True)
             raise
         try:
-            return await gateway.forward_recorded(request, call, exchange.body, exchange)
+            return await gateway.forward_recorded(request, call, exchange.fields, exchange.messages, exchange)
         except BaseException as exc:
             _detach(exchange.ended("upstream_error", 500, message=f"{type(exc).__name__}: {exc}"))
             raise
@@ -283,7 +291,7 @@ class Recorder:
             header = await log_.header(session_id)
             try:
                 if header is None:
-                    held.writer = await log_.create(session_id, origin="gateway-record", tenant=held.tenant)
+                    held.writer = await log_.create(session_id, tenant=held.tenant)
                 else:
                     if _tenant_of(header) != held.tenant:
                         raise SessionNotFound(f"session {session_id} not found")
@@ -365,8 +373,9 @@ class Recorder:
                 None,
                 [self._to_log(m, client.known + i) for i, m in enumerate(client.tail[p - client.known :])],
             )
-        await self._write(writer, new, start, header if header_changed else None, folded is None)
+        await self._write(held, writer, new, start, header if header_changed else None, folded is None)
         await writer.flush()
+        held.dirty = False
         session = writer.session
         held.memo = (client.raw, len(client.raw.rstrip()) - 1, client.count, client.system, session.generation)
         return self._exchange(call, held, writer, fields)
@@ -393,13 +402,17 @@ class Recorder:
 
     @staticmethod
     def _relog(derived: DerivedMessage) -> _New:
-        """A message the client kept, logged again (in a replacement's range) from the logged bytes."""
+        """A message the client kept, logged again (in a replacement's range) from the logged bytes. An assistant
+        message's source becomes `client` (with `relogOf`, the seq it repeats): the client supplied it in this
+        request, and the audit must not take it for a new answer of the model."""
         message = msgspec.json.decode(derived.raw)
         message["id"] = _new_id("relog")
         blocks = derived.message.content
         results = [b for b in blocks if isinstance(b, ToolResultBlock)]
         if results:
             return _New("tool", message, [], results[0].tool_call_id)
+        if derived.message.role == "assistant":
+            message["source"] = {"kind": "client", "relogOf": derived.seq}
         calls = [{"id": b.id, "name": b.name, "arguments": b.arguments} for b in blocks if isinstance(b, ToolCallBlock)]
         return _New(derived.message.role, message, calls)
 
@@ -443,12 +456,14 @@ class Recorder:
         nodes = session.surface.nodes
         start, end = derived[s].seq, nodes[-1]
         plan = session.surface.plan_replace(len(session), ReplaceOp(start=start, end=end))
-        new = [self._relog(derived[i]) if i < client.known else self._to_log(client.tail[i - client.known], i)
+        # Messages before the first difference are logged again from the log's own bytes (reasoning included).
+        new = [self._relog(derived[i]) if i < p else self._to_log(client.tail[i - client.known], i)
                for i in range(s, count)]  # fmt: skip
         return (start, end, sorted(plan.shadowed)), new
 
     async def _write(
         self,
+        held: _Held,
         writer: SessionWriter,
         new: list[_New],
         replace: tuple[int, int, list[int]] | None,
@@ -475,6 +490,9 @@ class Recorder:
                     f"request {PHRASE} at $.messages: a tool message answers call {item.call_id!r}, which no "
                     "assistant message of the open step or of this request made"
                 )
+        # From here on events are queued: if one is refused (a rule this plan did not foresee), the writer is
+        # abandoned before its queue is published, so the log keeps nothing of this request.
+        held.dirty = True
         turn = session.open_turn
         if turn is None:
             turn = session.last_turn + 1
@@ -529,7 +547,7 @@ class Recorder:
         if divergence is not None:
             raise divergence.error()
         transport: dict[str, Any] = {k: fields[k] for k in ("stream", "stream_options") if k in fields}
-        body = checked_body({**cache.expected_fields(header)[1], **transport}, expected)
+        forwarded = {**cache.expected_fields(header)[1], **transport}
         call.derivation = Derivation(
             session_id=call.session_id,
             seq=len(session) - 1,
@@ -540,7 +558,9 @@ class Recorder:
             source="record",
         )
         call.stream = fields.get("stream") is True
-        return _Exchange(self, call.session_id, held, writer, body, session.open_turn or 0, session.open_step.number)
+        return _Exchange(
+            self, call.session_id, held, writer, forwarded, expected, session.open_turn or 0, session.open_step.number
+        )
 
 
 def _is_result(derived: DerivedMessage) -> bool:
@@ -571,13 +591,22 @@ class _Exchange:
     """One recorded request's response, logged as it is relayed (the gateway's forwarding calls these)."""
 
     def __init__(
-        self, recorder: Recorder, session_id: str, held: _Held, writer: SessionWriter, body: bytes, turn: int, step: int
+        self,
+        recorder: Recorder,
+        session_id: str,
+        held: _Held,
+        writer: SessionWriter,
+        fields: dict[str, Any],
+        messages: bytes,
+        turn: int,
+        step: int,
     ) -> None:
         self.recorder = recorder
         self.session_id = session_id
         self.held = held
         self.writer = writer
-        self.body = body
+        self.fields = fields  # what the provider receives: the header's fields, the transport fields
+        self.messages = messages  # and the derivation's canonical messages
         self.turn = turn
         self.step = step
         self.sse = SseLines()

@@ -39,6 +39,7 @@ from .connection import connect as nats_connect
 from .errors import (
     Conflict,
     EventTooLarge,
+    InvalidEvent,
     LogUnavailable,
     OpenTurn,
     SessionAlreadyExists,
@@ -216,8 +217,11 @@ class SessionLog:
         created_at: int | None = None,
         tenant: str | None = None,
     ) -> SessionWriter:
-        """A new, empty session, visible at once, held by the returned writer. `tenant` (the gateway's record mode)
-        is kept in the header: the session belongs to it."""
+        """A new, empty session, visible at once, held by the returned writer. `origin` is absent or "subagent",
+        the only value dsh reads (any other makes dsh refuse the whole file). `tenant` (the gateway's record mode) is
+        kept in the header: the session belongs to it."""
+        if origin is not None and origin != "subagent":
+            raise InvalidEvent(f'session header origin must be "subagent" or absent, got {origin!r}')
         if await self._require_absent(session_id) is not None:
             raise SessionAlreadyExists(f"session {session_id} has records from an unfinished import or fork")
         header: dict[str, Any] = {

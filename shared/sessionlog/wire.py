@@ -28,13 +28,15 @@ The rest of the request comes from the folded header:
   value counts as absent (a JavaScript `undefined` that reached the log). `adapterDefaults` only says which values
   the adapter filled in; the values themselves are in `config`.
 - `header.tools` (when not empty) become `[{"type": "function", "function": {"name", "description",
-  "parameters"}}]`, `description` and `parameters` only when the tool has them.
+  "parameters", "strict"}}]`, `description`, `parameters` and `strict` only when the tool has them.
 
 The comparison is on canonical JSON (sorted keys, compact separators, UTF-8). The `messages` array, system message
 included, is compared as a whole: any difference there is `DERIVATION_DIVERGES`. Every other request field must
 equal what the header gives, so a `tool_choice`, `seed` or `response_format` that the log does not hold is
-`HEADER_DIVERGES`; only the transport fields (`stream`, `stream_options`) are left out of the comparison. Numbers
-compare as JSON does after canonicalisation: `1` and `1.0` differ, as they do on the wire.
+`HEADER_DIVERGES`; only the transport fields (`stream`, `stream_options`) are left out of the comparison. When the
+bytes differ, the request is compared again under `sessionlog.wireforms`' equivalence (null content, text-part
+arrays, a tool message's `name`, `1.0` for `1`): only what really differs is refused. Dropped reasoning is a
+difference here (the client wrote the log itself); record mode, whose client did not, accepts it.
 
 Speed: a `WireCache` (one per session) keeps the canonical wire fragment of every surface node (keyed by the logged
 message bytes, so a message is converted and encoded once) and the joined `messages` bytes of the last derivation it
@@ -55,7 +57,7 @@ from typing import Any, Final
 
 import msgspec
 
-from .errors import DerivationDiverges, HeaderDiverges, SessionLogError, UnsupportedContent
+from .errors import DerivationDiverges, HeaderDiverges, InvalidRequest, SessionLogError, UnsupportedContent
 from .events import ImageBlock, ReasoningBlock, TextBlock, ToolCallBlock, ToolResultBlock
 from .session import DerivedMessage, DerivedMessages, FoldedHeader
 from .wireforms import canonical as normal_canonical
@@ -70,12 +72,6 @@ _top_decoder: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ARRAY_GOES_ON: Final = re.compile(rb"[ \t\n\r]*([,\]])")
 _CAMEL_RE: Final = re.compile(r"(?<=[a-z0-9])([A-Z])")
 _PLAIN_ROLES: Final = frozenset({"user", "system", "developer"})
-
-
-class InvalidRequest(SessionLogError):
-    """A request body that is not a chat-completions request at all (not a JSON object, or not JSON)."""
-
-    code = "INVALID_REQUEST"
 
 
 def canonical(value: Any) -> bytes:
@@ -421,7 +417,7 @@ def compare_request(
 
     `request["messages"]` may be plain data or, from `parse_request(..., lazy=True)`, the bytes it arrived as.
     Raises `UNSUPPORTED_CONTENT` when the derivation holds content the conversion cannot carry, and
-    `INVALID_REQUEST` when lazily parsed messages turn out not to be JSON.
+    `INVALID_REQUEST` when `messages` is missing, not JSON, or not an array of objects with a `role`.
     """
     cache = cache if cache is not None else WireCache()
     expected_messages = cache.expected_messages(messages, header)
@@ -437,13 +433,7 @@ def compare_request(
             actual_messages = msgspec.json.decode(actual_messages)  # only to name the difference
         except msgspec.DecodeError as exc:
             raise InvalidRequest(f"the request body is not JSON: {exc}") from None
-    if actual_messages is _MISSING or not isinstance(actual_messages, list):
-        return Divergence(
-            DerivationDiverges.code,
-            "$.messages",
-            f"request {PHRASE} at $.messages: expected an array of {len(msgspec.json.decode(expected_messages))} "
-            f"messages, got {_show(actual_messages)}",
-        )
+    _check_messages_shape(actual_messages)
     if _encoder.encode(actual_messages) != expected_messages and not _equivalent_messages(
         actual_messages, expected_messages
     ):
@@ -478,6 +468,18 @@ def _equivalent_messages(actual: Any, expected: bytes) -> bool:
     except SessionLogError:
         return False
     return normal_canonical(normal) == normal_canonical(msgspec.json.decode(expected))
+
+
+def _check_messages_shape(messages: Any) -> None:
+    """Refuse (`INVALID_REQUEST`) a `messages` that is no chat-completions messages array at all: that is a bad
+    request, which no log could derive, not a divergence from this log."""
+    if messages is _MISSING:
+        raise InvalidRequest("the request has no `messages` ($.messages): a chat-completions request needs an array")
+    if not isinstance(messages, list):
+        raise InvalidRequest(f"$.messages must be an array of messages, got {_show(messages)}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(f"$.messages[{i}] must be an object with a string `role`, got {_show(message)}")
 
 
 def _compare_fields(request: Mapping[str, Any], header: FoldedHeader, cache: WireCache) -> Divergence | None:

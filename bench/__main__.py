@@ -6,7 +6,7 @@ import importlib
 import json
 import sys
 
-BENCHMARKS = ["bench_session", "bench_gateway", "bench_ui_audit", "bench_log", "bench_projections"]
+BENCHMARKS = ["bench_session", "bench_gateway", "bench_ui_audit", "bench_ui", "bench_log", "bench_projections"]
 
 
 def main(argv: list[str]) -> int:

@@ -19,8 +19,9 @@ request's new messages, flushes, forwards the derivation and logs the streamed a
 byte is against the direct call of the same body in the same run; `gateway_work` is the gateway's own time before
 forwarding (its metrics), beside one decode of the body: flat across sizes while the decode grows is O(new
 messages). `chunk_lag` is, per streamed SSE line of a 40-line answer, (its arrival - the first line's) through the
-record gateway minus the same direct, p50 and p99 over lines and rounds: logging must not hold chunks back. Goals:
-overhead p50 <= 2 ms and p99 <= 5 ms at 100 messages.
+record gateway minus the same through the gateway without logging (derive mode, which logs nothing) and minus the
+same direct, p50 and p99 over lines and rounds: logging must not hold chunks back. Goals: overhead p50 <= 2 ms and
+p99 <= 5 ms at 100 messages.
 """
 
 from __future__ import annotations
@@ -348,10 +349,18 @@ async def measure_record(provider_url: str, gateway_base: str, size: int) -> dic
     }
 
 
-async def measure_chunk_lag(provider_url: str, gateway_base: str, rounds: int = 30) -> dict[str, Any]:
-    """Per SSE line of a streamed answer: its lag behind the first line, through the record gateway minus direct."""
+async def measure_chunk_lag(log: SessionLog, provider_url: str, gateway_base: str, rounds: int = 30) -> dict[str, Any]:
+    """Per SSE line of a streamed answer: its lag behind the first line through the record gateway, minus the same
+    through the gateway without logging (derive mode on a session of the same size, which logs nothing), and minus
+    the same direct. Rounds alternate the three."""
     script = [{"text": " ".join(["word"] * 40), "chunk_delay_s": 0.002}]
-    lags: list[float] = []
+    vs_relay: list[float] = []
+    vs_direct: list[float] = []
+    writer = await log.create(f"bench-relay-{time.time_ns() % 10**9}")
+    for raw in session_events(100):
+        await writer.append(raw)
+    await writer.flush()
+    relay_url = f"{gateway_base}/v1/sessions/{writer.session_id}/completions"
     async with httpx.AsyncClient(timeout=60) as client:
         await client.post(provider_url.replace("/v1/chat/completions", "/_scripted/script"), json=script)
         session_id = f"bench-chunks-{time.time_ns() % 10**9}"
@@ -361,12 +370,16 @@ async def measure_chunk_lag(provider_url: str, gateway_base: str, rounds: int = 
         for i in range(rounds + 3):
             body = record_body(messages)
             direct = await line_times(client, provider_url, body)
+            relay = await line_times(client, relay_url, b'{"stream": true}')
             record = await line_times(client, url, body)
             messages.append({"role": "assistant", "content": text})
-            if i < 3 or len(direct) != len(record):
+            if i < 3 or not len(direct) == len(relay) == len(record):
                 continue
-            lags += [(r - record[0]) - (d - direct[0]) for d, r in zip(direct, record, strict=True)]
-    return {"lines": len(lags), "lag_ms": summary(lags)}
+            vs_relay += [(r - record[0]) - (x - relay[0]) for x, r in zip(relay, record, strict=True)]
+            vs_direct += [(r - record[0]) - (d - direct[0]) for d, r in zip(direct, record, strict=True)]
+    await writer.close()
+    return {"lines": len(vs_relay), "vs_gateway_without_logging_ms": summary(vs_relay),
+            "vs_direct_ms": summary(vs_direct)}  # fmt: skip
 
 
 def main() -> dict[str, object]:
@@ -403,7 +416,11 @@ def main() -> dict[str, object]:
 
                 async def record_run() -> dict[str, Any]:
                     out: dict[str, Any] = {str(s): await measure_record(direct_url, gateway_url, s) for s in SIZES}
-                    out["chunk_lag"] = await measure_chunk_lag(direct_url, gateway_url)
+                    log = await SessionLog.connect(settings)
+                    try:
+                        out["chunk_lag"] = await measure_chunk_lag(log, direct_url, gateway_url)
+                    finally:
+                        await log.close()
                     return out
 
                 record = asyncio.run(record_run())

@@ -233,3 +233,17 @@ def test_the_scripted_provider_command_refuses_a_bad_script_in_one_line(
     code, _, err = run(capsys, "scripted-provider", "--script", str(script), "--port", str(free_port()))
     assert code == 2
     assert expected in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("depth", [70, 3000])
+def test_a_file_whose_event_nests_too_deep_is_one_typed_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, depth: int
+) -> None:
+    """Past MAX_EVENT_DEPTH, and far past Python's recursion limit: `EVENT_TOO_DEEP`, never a traceback."""
+    path = tmp_path / "deep.jsonl"
+    nested = "[" * depth + "]" * depth
+    header = '{"type":"session","version":0,"id":"deep","createdAt":1}'
+    path.write_text(header + '\n{"seq":0,"time":1,"type":"session/title","data":{"t":' + nested + "}}\n")
+    code, out, err = run(capsys, "derive", str(path))
+    assert code == 1 and out == ""
+    assert err.startswith("error EVENT_TOO_DEEP at seq 0:"), err

@@ -675,3 +675,105 @@ async def test_a_tool_loop_interrupted_by_a_gateway_restart_goes_on_with_the_rea
     }  # fmt: skip
     assert synthetic.seq in [e.seq for e in session.transcript()]  # what happened stays in the transcript
     assert session.open_turn is None and session.generation == 1
+
+
+async def test_a_changed_field_is_a_new_request_header_and_1_for_1_0_is_no_change(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "a"}, {"text": "b"}, {"text": "c"}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "one"}]
+    for temperature in (1.0, 1, 0.5):  # a Node client sends 1 where Python sent 1.0: the same value
+        body = {"model": "scripted-model", "temperature": temperature, "response_format": {"type": "text"}}
+        response = await complete(http, gateway, sid, {**body, "messages": messages})
+        assert response.status_code == 200, response.text
+        messages += [response.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+    session = await load(log, sid)
+    headers = [msgspec.json.decode(e.raw)["data"] for e in session if e.type == "request/header"]
+    assert [h["reason"] for h in headers] == ["initial", "change"]
+    assert [h["header"]["config"]["temperature"] for h in headers] == [1.0, 0.5]
+    assert headers[0]["header"]["config"]["responseFormat"] == {"type": "text"}
+    sent = [without_transport(b) for b in provider.received]
+    assert [r["temperature"] for r in sent] == [1.0, 1.0, 0.5] and sent[1]["response_format"] == {"type": "text"}
+    assert type(sent[1]["temperature"]) is float  # the logged value, not the client's `1`
+
+
+async def test_a_client_that_hangs_up_right_after_the_last_line_gets_a_completed_turn(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "short answer"}])
+    body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with http.stream("POST", base(gateway, sid) + "/chat/completions", json=body) as response:
+        seen = b""
+        async for data in response.aiter_bytes():
+            seen += data
+            if b"[DONE]" in seen:
+                break  # as SDKs may: stop at [DONE] and close
+
+    async def ended() -> bool:
+        return any(e.type == "turn/end" for e in await load(log, sid))
+
+    await eventually(ended, "the turn ended")
+    session = await load(log, sid)
+    end = [e for e in session if e.type == "turn/end"][-1]
+    assert msgspec.json.decode(end.raw)["data"]["reason"] == {"kind": "completed"}
+    assert [e.type for e in session][-3:] == ["assistant/message", "step/end", "turn/end"]
+
+
+@pytest.mark.parametrize(
+    ("message", "status", "code"),
+    [
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}}]}, 422,
+         "UNSUPPORTED_CONTENT"),
+        ({"role": "tool", "tool_call_id": "call_nobody_made", "content": "x"}, 409, "DERIVATION_DIVERGES"),
+        ({"role": "developer", "content": "be terse"}, 422, "UNSUPPORTED_CONTENT"),
+        ({"content": "no role"}, 422, "UNSUPPORTED_CONTENT"),
+    ],
+    ids=["image-part", "tool-result-without-call", "developer-role", "no-role"],
+)  # fmt: skip
+async def test_what_cannot_be_logged_is_refused_and_leaves_the_log_and_the_provider_untouched(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    message: dict[str, Any],
+    status: int,
+    code: str,
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "first"}, {"text": "never"}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+    first = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert first.status_code == 200
+    before = [e.raw for e in await load(log, sid)]
+    messages += [first.json()["choices"][0]["message"], message]
+    refused = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert refused.status_code == status and refused.json()["error"]["code"] == code, refused.text
+    assert refused.headers["x-should-retry"] == "false"
+    assert [e.raw for e in await load(log, sid)] == before and len(provider.received) == 1
+    messages[-1] = {"role": "user", "content": "fine"}  # the session goes on
+    assert (await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})).status_code == 200
+
+
+async def test_an_idle_session_is_let_go_and_its_lease_released(
+    http: httpx.AsyncClient, provisioned: Settings, provider_server: ServerThread, provider: ScriptedProvider,
+    log: SessionLog,
+) -> None:  # fmt: skip
+    sid = new_session_id("rec")
+    settings = record_settings(provisioned, gateway_record_idle_s=1.0)
+    with ServerThread(build_app(settings, record_config(settings, provider_server.url))) as short_lived:
+        provider.load([{"text": "hi"}])
+        body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+        assert (await complete(http, short_lived, sid, body)).status_code == 200
+        assert await log.leases.current(sid) is not None  # held between requests
+
+        async def released() -> bool:
+            return await log.leases.current(sid) is None
+
+        await eventually(released, "the idle session's lease released")
+        provider.load([{"text": "again"}])
+        follow = [*body["messages"], {"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
+        again = await complete(http, short_lived, sid, {"model": "scripted-model", "messages": follow})
+        assert again.status_code == 200, again.text  # taken up again from the log
+        assert not any(e.is_replace for e in await load(log, sid))

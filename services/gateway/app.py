@@ -47,6 +47,7 @@ from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
 from sessionlog.record import H_RAW_OUTCOME, H_RAW_SESSION_SEQ, H_RAW_STATUS
 from sessionlog.settings import Settings
+from sessionlog.tasks import detach
 from sessionlog.wire import (
     Divergence,
     InvalidRequest,
@@ -436,7 +437,7 @@ class Gateway:
             return JSONResponse(error_body(err, request_id=call.request_id), status_code=_status_of(err))
         except BaseException:
             if observer is not None:
-                _settle(observer.ended("client_disconnected", 499))
+                detach(observer.ended("client_disconnected", 499))
             raise
         self.metrics.upstream_first_byte_seconds.observe(time.perf_counter() - sent)
         headers = {H_RESPONSE_REQUEST_ID: call.request_id}
@@ -535,7 +536,8 @@ class Gateway:
                 if observer is not None:
                     await observer.relayed(chunk)
             if observer is not None:  # logged before the response ends: the session is free when the client is
-                await observer.ended("forwarded", 200)
+                # shielded: a client that hangs up after the last line must not cut the logging of its end short
+                await asyncio.shield(asyncio.ensure_future(observer.ended("forwarded", 200)))
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "client_disconnected"
             self.metrics.client_disconnects.inc()
@@ -547,7 +549,7 @@ class Gateway:
             yield _sse_error(err, call.request_id)
         finally:
             if observer is not None and outcome != "forwarded":  # its own task: this one may be cancelled
-                _settle(observer.ended(outcome, 200, message=message))
+                detach(observer.ended(outcome, 200, message=message))
             _close_later(response)
             tee_outcome = {"forwarded": "complete"}.get(outcome, outcome)
             response_entry = ("response", b"".join(chunks), self._response_headers(call, 200, tee_outcome))
@@ -619,12 +621,6 @@ def _min_seq(value: str | None) -> int | None:
     if seq < -1:
         raise InvalidRequest(f"X-Session-Seq must be the last flushed seq (an integer, -1 for none), got {value!r}")
     return None if seq == -1 else seq
-
-
-def _settle(coroutine: Any) -> None:
-    """Run `coroutine` in a task of its own (the caller may be a cancelled task)."""
-    task = asyncio.get_running_loop().create_task(coroutine)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def _close_later(response: httpx.Response) -> None:

@@ -62,6 +62,7 @@ from sessionlog.leases import LeaseHeld
 from sessionlog.log import SessionWriter
 from sessionlog.session import DerivedMessage, Session
 from sessionlog.surface import ReplaceOp
+from sessionlog.tasks import detach
 from sessionlog.wire import PHRASE, WireCache, compare_request, parse_request
 from sessionlog.wireforms import (
     ResponseAssembler,
@@ -75,6 +76,7 @@ from sessionlog.wireforms import (
 )
 
 from .derivation import Derivation
+from .tenants import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -131,7 +133,8 @@ class _Client:
 
 @dataclass(slots=True)
 class _New:
-    """One message to log: its canonical wire form (None when re-logged from the log) and its logged Message."""
+    """One message to log: its role on the wire, its logged Message, an assistant message's tool calls and a tool
+    message's call id."""
 
     role: str
     message: dict[str, Any]
@@ -183,7 +186,7 @@ class Recorder:
             return
         try:
             await held.writer.close()
-        except SessionLogError as err:
+        except Exception as err:  # the lease then expires on its own; nothing queued is reported written
             log.warning("record mode: closing the writer of %s: %s", session_id, err)
 
     async def _on_release(self, msg: Any) -> None:
@@ -203,7 +206,7 @@ class Recorder:
     # ---------------------------------------------------------------------------------- endpoints
 
     async def models(self, request: Request) -> Response:
-        from .app import _request_id, _status_of, error_body
+        from .app import _no_retry, _request_id, _status_of, error_body
 
         request_id = _request_id()
         try:
@@ -212,7 +215,7 @@ class Recorder:
             data = await self.gateway.upstream_models()
         except SessionLogError as err:
             return JSONResponse(
-                error_body(err, request_id=request_id), status_code=_status_of(err), headers=_no_retry(err)
+                error_body(err, request_id=request_id), status_code=_status_of(err), headers=_no_retry(_status_of(err))
             )
         return Response(data, media_type="application/json")
 
@@ -241,7 +244,7 @@ class Recorder:
         try:
             return await gateway.forward_recorded(request, call, exchange.fields, exchange.messages, exchange)
         except BaseException as exc:
-            _detach(exchange.ended("upstream_error", 500, message=f"{type(exc).__name__}: {exc}"))
+            detach(exchange.ended("upstream_error", 500, message=f"{type(exc).__name__}: {exc}"))
             raise
 
     # ---------------------------------------------------------------------------------- holding
@@ -275,7 +278,7 @@ class Recorder:
             if held.writer is not None:
                 writer = held.writer
                 held.writer = None
-                _detach(writer.abandon())
+                detach(writer.abandon())
 
     async def _writer(self, session_id: str, held: _Held) -> SessionWriter:
         """The session's writer: the one held, or the session opened (or created) under its lease."""
@@ -285,7 +288,7 @@ class Recorder:
         if writer is not None:  # fenced: someone else wrote; start again from the log
             held.writer = None
             held.memo = None
-            _detach(writer.abandon())
+            detach(writer.abandon())
         log_ = self.gateway.log
         for attempt in range(3):
             header = await log_.header(session_id)
@@ -568,23 +571,12 @@ def _is_result(derived: DerivedMessage) -> bool:
 
 
 def _tenant_of(header: bytes) -> str:
-    from .tenants import DEFAULT_TENANT
-
     try:
         value = msgspec.json.decode(header)
     except msgspec.DecodeError:
         return DEFAULT_TENANT
     tenant = value.get("tenant") if isinstance(value, dict) else None
     return tenant if isinstance(tenant, str) and tenant else DEFAULT_TENANT
-
-
-def _no_retry(err: SessionLogError) -> dict[str, str]:
-    return {"x-should-retry": "false"}
-
-
-def _detach(coro: Any) -> None:
-    task = asyncio.get_running_loop().create_task(coro)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 class _Exchange:

@@ -35,8 +35,8 @@ import msgspec
 import zstandard
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from .errors import Conflict, CorruptLog, InvalidEvent, UnsupportedVersion
-from .events import encode_new_event
+from .errors import Conflict, CorruptLog, EventTooDeep, InvalidEvent, UnsupportedVersion
+from .events import MAX_EVENT_DEPTH, encode_new_event
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 PathLike = str | os.PathLike[str]
@@ -408,6 +408,8 @@ def _parse(data: bytes, *, compressed: bool, stream_problem: str | None) -> Json
         except msgspec.DecodeError as exc:
             tear = (i, "an empty line" if not line else f"not an event line ({exc})")
             break
+        except RecursionError:  # far deeper than any event may nest (events.MAX_EVENT_DEPTH)
+            raise EventTooDeep(f"line {i + 1} nests more than {MAX_EVENT_DEPTH} levels of JSON", seq=i - 1) from None
         kind = head.type
         seq: Any = head.seq
         row: _Row | None = None

@@ -82,13 +82,15 @@ class LogFull(SessionLogError):
 
 @dataclass(frozen=True, slots=True)
 class SessionInfo:
-    """One line of `sessionlog sessions`."""
+    """One line of `sessionlog sessions`. `error` (`CODE: message`) marks a session whose last record or header
+    does not read; its other fields then say only what the header does."""
 
     id: str
     events: int
     open_turn: int | None
     parent: str | None
     created_at: int
+    error: str | None = None
 
 
 def now_ms() -> int:
@@ -187,22 +189,41 @@ class SessionLog:
             return []
         out: list[SessionInfo] = []
         for key in keys:
-            header = await self.header(key)
-            if header is None:
-                continue
-            parsed = decode_header(header)
-            last = await self.reader.last_record(key)
-            out.append(
-                SessionInfo(
-                    id=key,
-                    events=last.next_seq if last else 0,
-                    open_turn=(last.open_turn or None) if last else None,
-                    parent=parsed.parent_session if isinstance(parsed.parent_session, str) else None,
-                    created_at=parsed.created_at,
-                )
-            )
+            info = await self._session_info(key)
+            if info is not None:
+                out.append(info)
         out.sort(key=lambda s: (s.created_at, s.id), reverse=True)
         return out
+
+    async def _session_info(self, session_id: str) -> SessionInfo | None:
+        """One session's line; a session that does not read (a record anyone could publish to its subject) is
+        listed with its error instead of failing the whole listing. `LOG_UNAVAILABLE` is not a finding."""
+        try:
+            header = await self.header(session_id)
+        except LogUnavailable:
+            raise
+        except SessionLogError as err:
+            return SessionInfo(session_id, 0, None, None, 0, error=f"{err.code}: {err.message}")
+        if header is None:
+            return None
+        parent: str | None = None
+        created_at = 0
+        try:
+            parsed = decode_header(header)
+            parent = parsed.parent_session if isinstance(parsed.parent_session, str) else None
+            created_at = parsed.created_at
+            last = await self.reader.last_record(session_id)
+        except LogUnavailable:
+            raise
+        except SessionLogError as err:
+            return SessionInfo(session_id, 0, None, parent, created_at, error=f"{err.code}: {err.message}")
+        return SessionInfo(
+            id=session_id,
+            events=last.next_seq if last else 0,
+            open_turn=(last.open_turn or None) if last else None,
+            parent=parent,
+            created_at=created_at,
+        )
 
     # ---------------------------------------------------------------------------------- writing
 

@@ -316,6 +316,63 @@ async def test_a_client_compaction_is_logged_as_a_replacement_with_provenance_an
     assert session.open_turn is None and session.generation == 1
 
 
+async def test_a_compaction_that_keeps_the_last_exchange_replaces_only_what_it_summarises(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, provisioned: Settings
+) -> None:
+    """The common framework compaction: older messages become one summary, the latest exchange is kept as it was.
+    Only the summarised nodes are shadowed; what the client kept is not logged a second time."""
+    sid = new_session_id("rec")
+    held = await two_turns(http, gateway, provider, sid)  # [system, u1, a1, u2, a2]
+    before = await load(log, sid)
+    nodes = list(before.surface.nodes)
+    compacted = [SYSTEM, {"role": "user", "content": "Summary: the first question was answered."},
+                 *held[3:], {"role": "user", "content": "Third question?"}]  # fmt: skip
+    provider.load([{"text": "Third answer."}])
+    response = await complete(http, gateway, sid, {"model": "scripted-model", "messages": compacted})
+    assert response.status_code == 200, response.text
+    session = await load(log, sid)
+    replaces = [e for e in session if e.is_replace]
+    assert len(replaces) == 1 and replaces[0].type == "user/message"
+    assert replaces[0].surface_op == {"op": "replace", "start": nodes[0], "end": nodes[1]}
+    assert replaces[0].source_event_seqs == nodes[:2]
+    assert list(session.surface.nodes[1:3]) == nodes[2:4]  # the kept exchange is the same events, not copies
+    shown = [e.data.content[0].text for e in session.transcript() if e.type == "user/message"]
+    assert shown == ["First question?", "Second question?", "Third question?"]  # each once, originals kept
+    assert without_transport(provider.received[-1])["messages"] == compacted
+    assert canonical(theorem_requests(session)[-1]) == canonical(without_transport(provider.received[-1]))
+    report = audit_session(session, await raw_exchanges(log, provisioned, sid, 3), session_id=sid).report()
+    assert report.findings == []
+
+
+async def test_a_compaction_in_the_middle_of_a_tool_loop_logs_the_result_in_its_step_then_the_summary(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, provisioned: Settings
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "First answer."}, {"text": "", "tool_calls": [READ_CALL]}, {"text": "It says hello."}])
+    body = {"model": "scripted-model", "tools": TOOLS}
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "First question?"}]
+    first = await complete(http, gateway, sid, {**body, "messages": messages})
+    messages += [first.json()["choices"][0]["message"], {"role": "user", "content": "Read my notes"}]
+    second = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert second.status_code == 200, second.text
+    messages.append(second.json()["choices"][0]["message"])
+    nodes = list((await load(log, sid)).surface.nodes)
+    compacted = [SYSTEM, {"role": "user", "content": "Summary: a first question was answered."}, *messages[3:],
+                 {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]  # fmt: skip
+    third = await complete(http, gateway, sid, {**body, "messages": compacted})
+    assert third.status_code == 200, third.text
+    session = await load(log, sid)
+    replace = next(e for e in session if e.is_replace)
+    assert replace.surface_op == {"op": "replace", "start": nodes[0], "end": nodes[1]}
+    result = next(e for e in session if e.type == "tool/result")
+    assert result.seq < replace.seq and result.data.step == 1 and result.data.turn == 2  # in the call's own step
+    assert without_transport(provider.received[-1])["messages"] == compacted
+    assert canonical(theorem_requests(session)[-1]) == canonical(without_transport(provider.received[-1]))
+    assert session.open_turn is None
+    report = audit_session(session, await raw_exchanges(log, provisioned, sid, 3), session_id=sid).report()
+    assert report.findings == []
+
+
 async def test_a_truncation_and_an_edited_tool_result_are_logged_without_splitting_a_tool_pair(
     http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, provisioned: Settings
 ) -> None:

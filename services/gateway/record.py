@@ -361,6 +361,7 @@ class Recorder:
         if folded is not None and (held.header is None or held.header[0] != folded.raw):
             held.header = (folded.raw, canonical(folded.to_builtins()))
         header_changed = folded is None or held.header is None or canonical(header) != held.header[1]
+        keeps_tail = False
         if p < len(derived):
             if self.history_edits == "refuse":
                 offset = 1 if client.system is not None else 0
@@ -370,13 +371,17 @@ class Recorder:
                     "gateway refuses history edits (SESSIONLOG_GATEWAY_HISTORY_EDITS=refuse)",
                     seq=derived[p].seq,
                 )
-            start, new = self._edit(session, derived, client, p)
+            summary = self._summary_edit(held.cache, derived, client, p)
+            start, new = summary if summary is not None else self._edit(session, derived, client, p)
+            keeps_tail = summary is not None
         else:
             start, new = (
                 None,
                 [self._to_log(m, client.known + i) for i, m in enumerate(client.tail[p - client.known :])],
             )
-        await self._write(held, writer, new, start, header if header_changed else None, folded is None)
+        await self._write(
+            held, writer, new, start, header if header_changed else None, folded is None, keeps_tail=keeps_tail
+        )
         await writer.flush()
         held.dirty = False
         session = writer.session
@@ -418,6 +423,42 @@ class Recorder:
             message["source"] = {"kind": "client", "relogOf": derived.seq}
         calls = [{"id": b.id, "name": b.name, "arguments": b.arguments} for b in blocks if isinstance(b, ToolCallBlock)]
         return _New(derived.message.role, message, calls)
+
+    def _summary_edit(
+        self, cache: WireCache, derived: Any, client: _Client, p: int
+    ) -> tuple[tuple[int, int, list[int]], list[_New]] | None:
+        """The usual compaction: the client put one message (a summary) where derived messages `p..j-1` were and
+        kept `j..` as they are, then maybe added new ones. That is one replacement of exactly those nodes, and the
+        kept messages stay on the surface as the same events (never logged twice). None when the request is not of
+        that shape, or when the range would split a tool call from its result (the general edit handles those)."""
+        count, n = client.count, len(derived)
+        summary = client.tail[p - client.known] if p < count else None
+        if summary is None or summary.get("role") not in ("user", "assistant") or summary.get("tool_calls"):
+            return None
+
+        def kept_from(j: int) -> bool:
+            kept = n - j
+            return p + 1 + kept <= count and all(
+                self._matches(cache, client.tail[p + 1 + i - client.known], derived[j + i]) for i in range(kept)
+            )
+
+        end = next((j for j in range(p + 1, n) if kept_from(j)), None)
+        if end is None:
+            return None
+        inside = range(p, end)
+        calls = {b.id for i in inside for b in derived[i].message.content if isinstance(b, ToolCallBlock)}
+        results = {b.tool_call_id for i in inside for b in derived[i].message.content if isinstance(b, ToolResultBlock)}
+        answered_after = {
+            b.tool_call_id for i in range(end, n) for b in derived[i].message.content if isinstance(b, ToolResultBlock)
+        }
+        added_results = {str(m.get("tool_call_id")) for m in client.tail[p + 1 + n - end - client.known :]}
+        if calls != results or calls & (answered_after | added_results):
+            return None  # a pair would be split (or a call answered outside the range): not this simple shape
+        shadowed = [derived[i].seq for i in inside]
+        new = [self._to_log(summary, p)]
+        new += [self._to_log(m, p + 1 + n - end + i)
+                for i, m in enumerate(client.tail[p + 1 + n - end - client.known :])]  # fmt: skip
+        return (derived[p].seq, derived[end - 1].seq, shadowed), new
 
     def _edit(
         self, session: Session, derived: Any, client: _Client, p: int
@@ -472,20 +513,28 @@ class Recorder:
         replace: tuple[int, int, list[int]] | None,
         header: dict[str, Any] | None,
         initial: bool,
+        *,
+        keeps_tail: bool = False,
     ) -> None:
-        """Log the request: plan every pairing first, so a refusal leaves the log unchanged, then append."""
+        """Log the request: plan every pairing first, so a refusal leaves the log unchanged, then append.
+
+        With `keeps_tail` (a summary edit), `new[0]` replaces a range in the middle and the nodes after it stay, so
+        tool results answering the open step's calls are logged in that step first, like an extension's."""
         session = writer.session
         step = session.open_step
-        lead = 0
-        if replace is None and step is not None:
+        first = 1 if keeps_tail else 0
+        lead = first
+        if (replace is None or keeps_tail) and step is not None:
             answered = set(step.results)
             while lead < len(new) and new[lead].role == "tool" and new[lead].call_id in step.calls:
                 if new[lead].call_id in answered:
                     break
                 answered.add(new[lead].call_id)
                 lead += 1
+        leading = new[first:lead]
+        rest = new[:first] + new[lead:]
         announced: set[str] = set()
-        for item in new[lead:]:
+        for item in rest:
             if item.role == "assistant":
                 announced.update(c["id"] for c in item.calls)
             elif item.role == "tool" and item.call_id not in announced:
@@ -500,7 +549,7 @@ class Recorder:
         if turn is None:
             turn = session.last_turn + 1
             await writer.emit("turn/start", {"turn": turn})
-        for item in new[:lead]:
+        for item in leading:
             await self._tool_result(
                 writer, turn, step.number if step else 0, item, session.tool_call_event(item.call_id)
             )
@@ -511,7 +560,7 @@ class Recorder:
         if header is not None:
             await writer.emit("request/header", {"header": header, "reason": "initial" if initial else "change"})
         calls: dict[str, int] = {}
-        for i, item in enumerate(new[lead:]):
+        for i, item in enumerate(rest):
             surface: dict[str, Any] = {"surface_op": "append"}
             if i == 0 and replace is not None:
                 start, end, shadowed = replace

@@ -13,6 +13,7 @@ provenance under the default policy, and is refused before the provider under `r
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -55,6 +56,7 @@ TRANSPORT = {"stream", "stream_options"}  # request fields that shape the transp
 # answer per turn, two turns; then one answer for the check-mode example.
 SCRIPT: list[dict[str, Any]] = json.loads((REPO_ROOT / "examples" / "record_script.json").read_text())
 EXAMPLE_SCRIPT, CHECK_MODE_SCRIPT = SCRIPT[:4], SCRIPT[4:]
+TENANT_KEYS = {"acme": "sk-acme-test-key", "globex": "sk-globex-test-key"}
 EXAMPLE_QUESTIONS = ("What is 2 + 3?", "And that doubled?")
 EXAMPLE_ANSWERS = ("answer: 2 + 3 = 5.", "answer: Doubled, that is 10.")
 
@@ -158,6 +160,18 @@ async def gateway(
     provisioned: Settings, nats_server: EmbeddedServer, workdir: Path, provider: Provider
 ) -> AsyncIterator[Gateway]:
     started = await start_gateway(nats_server.url, workdir / "record", provider)
+    try:
+        yield started
+    finally:
+        started.process.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def keyed_gateway(
+    provisioned: Settings, nats_server: EmbeddedServer, workdir: Path, provider: Provider
+) -> AsyncIterator[Gateway]:
+    keys = json.dumps({hashlib.sha256(key.encode()).hexdigest(): tenant for tenant, key in TENANT_KEYS.items()})
+    started = await start_gateway(nats_server.url, workdir / "keyed", provider, SESSIONLOG_GATEWAY_KEYS=keys)
     try:
         yield started
     finally:
@@ -372,6 +386,27 @@ async def test_openai_agents_on_its_chat_completions_model_unmodified(
     assert streamed_steps(rec) == {(2, 1), (2, 2)}
     # the agent's function tool is strict: the flag is logged and forwarded, as a direct call would carry it
     assert all(b["tools"][0]["function"].get("strict") is True for b in rec.bodies)
+
+
+async def test_with_gateway_keys_the_example_sends_its_key_and_another_tenant_cannot_reach_its_session(
+    provider: Provider, keyed_gateway: Gateway, node_clients: Path
+) -> None:
+    session_id = new_session_id("rec-keyed")
+    node = shutil.which("node")
+    assert node is not None
+    await provider.load(EXAMPLE_SCRIPT)
+    env = {**client_env(keyed_gateway), "GATEWAY_API_KEY": TENANT_KEYS["acme"]}
+    out = succeeded(await run([node, "record_chat.mjs", session_id], cwd=node_clients, env=env))
+    assert EXAMPLE_ANSWERS[1] in out
+    received = len(await provider.received())
+    question = [{"role": "user", "content": "What did acme ask?"}]
+    for key, refusal in ((TENANT_KEYS["globex"], openai.NotFoundError), ("sk-nobody", openai.AuthenticationError)):
+        client = openai.AsyncOpenAI(base_url=keyed_gateway.base_url(session_id), api_key=key)
+        async with client:
+            with pytest.raises(refusal) as refused:
+                await client.chat.completions.create(model=MODEL, messages=question)
+        assert refused.value.response.headers.get("x-should-retry") == "false"
+    assert len(await provider.received()) == received, "nothing of another tenant's request reached the provider"
 
 
 async def test_an_agent_that_writes_its_own_log_in_check_mode(

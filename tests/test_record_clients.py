@@ -7,7 +7,9 @@ examples the README shows (run as they are), and the CLI that inspects the resul
 checked, derived at every request's seq and compared with what the provider received (read from the raw tee
 `SESSIONLOG_RAW` and from the provider itself), shown as a transcript, and audited with no findings. A
 framework-style compaction (the client swaps older messages for a summary) becomes a logged replace with
-provenance under the default policy, and is refused before the provider under `refuse`.
+provenance under the default policy, and is refused before the provider under `refuse`. The real SDKs also meet a
+stream stopped and regenerated, a concurrent request (`SESSION_BUSY`, which they must not retry) and tenant keys;
+and the check-mode example (an agent that writes its own log) goes through the same inspection.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ SHOWN = {
 }
 COMMAND_S = 120.0  # the bound of one walkthrough command
 READY_S = 60.0
+STOP_S = 20.0  # the bound of a Ctrl-C stop
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,9 @@ def test_the_walkthrough_runs_as_written(tmp_path: Path) -> None:
             assert done.returncode == 0, f"{line}: exit {done.returncode}\n{done.stdout}\n{done.stderr}"
             outputs.append(done.stdout)
     finally:
-        for process in background:
-            _stop(process)
+        stopped = [_stop(process) for process in background]
+    assert stopped == [True, True], f"Ctrl-C left a process running (then killed):\n{_logs(tmp_path)}"
+    assert not _left_running(env["SESSIONLOG_EMBEDDED_PORT"]), "the embedded nats-server outlived `sessionlog up`"
     agent, _, check, transcript, audit, own = outputs
     assert "answer: 2 + 3 = 5." in agent and "answer: Doubled, that is 10." in agent
     assert check.startswith("ok: ") and "no open turn" in check
@@ -143,17 +145,24 @@ def test_the_walkthrough_runs_as_written(tmp_path: Path) -> None:
     assert (tmp_path / "my-first-session.jsonl").is_file()
 
 
+def _left_running(port: str) -> bool:
+    return subprocess.run(["pgrep", "-f", "--", f"-p {port}"], capture_output=True, check=False).returncode == 0
+
+
 def _logs(tmp_path: Path) -> str:
     return "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted(tmp_path.glob("server-*.log")))
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """Ctrl-C to the whole process group (as a terminal would), then SIGKILL if it does not stop."""
+def _stop(process: subprocess.Popen[bytes]) -> bool:
+    """Ctrl-C to the whole process group, as a terminal sends it; SIGKILL if that does not stop it within the
+    bound. True when Ctrl-C was enough."""
     if process.poll() is not None:
-        return
+        return True
     os.killpg(process.pid, signal.SIGINT)
     try:
-        process.wait(timeout=20)
+        process.wait(timeout=STOP_S)
+        return True
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
+        return False

@@ -148,6 +148,8 @@ def projection(p: Permissions, name: str, partitions: int) -> None:
     own_keys = f"$KV.{KV_CHECKPOINTS}.{name}.>"
     own_reads = f"{API}.DIRECT.GET.KV_{KV_CHECKPOINTS}.{own_keys}"
     p.publish("its own checkpoints and quarantine entries", own_keys, own_reads)
+    p.publish("list quarantine entries at start (batch direct get on the checkpoints bucket, read only)",
+              f"{API}.DIRECT.GET.KV_{KV_CHECKPOINTS}")  # fmt: skip
     p.publish("its own partition leases", f"$KV.{KV_LEASES}.partition.{name}.>", f"{API}.STREAM.MSG.GET.KV_{KV_LEASES}")
     p.publish("presence requests to its own replicas", f"sessionlog.replicas.{name}")
     p.subscribe("presence: answer its own replicas", f"sessionlog.replicas.{name}")

@@ -9,16 +9,15 @@ or validate: the cause, whatever projection met it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
-import nats.errors
-from nats.js.client import JetStreamContext
+from nats.aio.client import Client
 
 from .availability import translates_unavailable
 from .errors import CorruptLog, SessionLogError
+from .reader import StreamReader
 from .record import Record, decode_record, events_filter
 from .session import Session
 
@@ -50,27 +49,34 @@ def key(projection: str, stream_seq: int) -> str:
 
 
 @translates_unavailable("list quarantined records in bucket {bucket}")
-async def entries(
-    js: JetStreamContext, bucket: str, *, projection: str | None = None, timeout: float = 5.0
-) -> list[Quarantined]:
-    """Every quarantined record in the bucket (of one projection, or of all), by projection then stream seq."""
-    kv = await js.key_value(bucket)
-    watcher = await kv.watch(f"{projection or '*'}.quarantine.*", ignore_deletes=True)
+async def entries(nc: Client, bucket: str, *, projection: str | None = None, timeout: float = 5.0) -> list[Quarantined]:
+    """Every quarantined record in the bucket (of one projection, or of all), by projection then stream seq.
+
+    Read by batch direct gets on the bucket's stream: no consumer to create (a projection's NATS user may not),
+    and any replica answers, so the list reads without quorum too."""
+    prefix = f"$KV.{bucket}."
+    reader = StreamReader(nc, f"KV_{bucket}", timeout=timeout)
+    latest: dict[str, bytes] = {}  # key -> its last value; a delete or purge marker removes it
+    start = 1
+    while True:
+        batch, pending = await reader.direct_batch(f"{prefix}{projection or '*'}.quarantine.*", start)
+        for msg in batch:
+            name = msg.subject[len(prefix) :]
+            if msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
+                latest.pop(name, None)
+            else:
+                latest[name] = msg.data
+        if not batch or pending == 0:
+            break
+        start = batch[-1].stream_seq + 1
     out: list[Quarantined] = []
-    try:
-        while True:
-            entry = await watcher.updates(timeout=timeout)  # type: ignore[no-untyped-call]
-            if entry is None:  # the end of what the bucket held
-                break
-            owner, _, _ = entry.key.partition(".quarantine.")
-            try:
-                body = json.loads(entry.value or b"{}")
-                out.append(Quarantined(int(body["stream_seq"]), str(body["session"]), str(body["reason"]), owner))
-            except (ValueError, KeyError, TypeError):
-                continue  # not an entry this build wrote
-    finally:
-        with contextlib.suppress(nats.errors.Error):
-            await watcher.stop()  # type: ignore[no-untyped-call]
+    for name, value in latest.items():
+        owner, _, _ = name.partition(".quarantine.")
+        try:
+            body = json.loads(value or b"{}")
+            out.append(Quarantined(int(body["stream_seq"]), str(body["session"]), str(body["reason"]), owner))
+        except (ValueError, KeyError, TypeError):
+            continue  # not an entry this build wrote
     out.sort(key=lambda q: (q.projection, q.stream_seq))
     return out
 

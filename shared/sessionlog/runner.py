@@ -450,7 +450,7 @@ class ProjectionRunner(Generic[S]):
         are not poisoned from it: a session touched again meets its bad record again (state is rebuildable)."""
         try:
             found = await entries(
-                self.log.js, self.settings.kv_checkpoints, projection=self.name, timeout=self.settings.request_timeout_s
+                self.log.nc, self.settings.kv_checkpoints, projection=self.name, timeout=self.settings.request_timeout_s
             )
         except SessionLogError as err:
             log.warning("%s: could not read the quarantine list: %s", self.name, err)

@@ -34,7 +34,7 @@ def list_(
 
     async def work(log: SessionLog) -> list[Quarantined]:
         return await entries(
-            log.js, log.settings.kv_checkpoints, projection=projection, timeout=log.settings.request_timeout_s
+            log.nc, log.settings.kv_checkpoints, projection=projection, timeout=log.settings.request_timeout_s
         )
 
     found = [q for q in run_with_log(work) if session is None or q.session_id == session]

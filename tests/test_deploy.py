@@ -705,6 +705,36 @@ async def test_each_role_writes_only_its_own_keys(
         await nc.close()
 
 
+@on_module_loop
+async def test_a_writer_cannot_purge_a_sessions_header(
+    single: EmbeddedServer, admin: SessionLog, writer_log: SessionLog
+) -> None:
+    """The writer must put headers into the bucket, and NATS permissions cannot tell a put from a delete or purge
+    marker (all publish to `$KV.sessionlog-sessions.<id>`): the bucket itself refuses anything but the first."""
+    session_id = await written_session(writer_log)
+    events = await admin.reader.events(session_id)
+    header = await admin.header(session_id)
+    assert header is not None
+    subject = f"$KV.{admin.settings.kv_sessions}.{session_id}"
+    nc, _ = await connect_as(single.url, "writer")
+    try:
+        await nc.publish(subject, b"", headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub"})
+        await nc.flush()
+        js = nc.jetstream(timeout=5)
+        for what, body, headers in (
+            ("a purge marker", b"", {"KV-Operation": "PURGE", "Nats-Rollup": "sub"}),
+            ("a delete marker", b"", {"KV-Operation": "DEL"}),
+            ("another header", kv_value(subject), None),
+        ):
+            with pytest.raises(nats.js.errors.APIError):
+                await js.publish(subject, body, headers=headers)
+                pytest.fail(f"{what} was accepted")
+    finally:
+        await nc.close()
+    assert await admin.reader.events(session_id) == events
+    assert await admin.header(session_id) == header, "the writer erased or replaced the session's header"
+
+
 # (role, subject): subscriptions that would let a role answer in another service's name, or eavesdrop on it.
 IMPERSONATIONS = [
     ("gateway", "sessionlog.context.derive"),

@@ -813,6 +813,86 @@ async def test_what_cannot_be_logged_is_refused_and_leaves_the_log_and_the_provi
     assert (await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("first", "second", "where"),
+    [
+        ([SYSTEM, {"role": "system", "content": "Summary: earlier work"}, {"role": "user", "content": "hi"}], None,
+         "$.messages[1]"),
+        ([SYSTEM, {"role": "user", "content": "hi", "name": "bob"}], None, "$.messages[1]"),
+        ([SYSTEM, {"role": "user", "content": "hi"}], [{"role": "system", "content": "Summary: so far"}],
+         "$.messages[3]"),
+    ],
+    ids=["second-system-message", "unloggable-field-after-system", "system-message-appended-later"],
+)  # fmt: skip
+async def test_a_refused_message_after_the_system_message_is_named_by_its_own_index(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    first: list[dict[str, Any]],
+    second: list[dict[str, Any]] | None,
+    where: str,
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "first"}])
+    messages = first
+    if second is not None:
+        reply = await complete(http, gateway, sid, {"model": "scripted-model", "messages": first})
+        assert reply.status_code == 200, reply.text
+        messages = [*first, reply.json()["choices"][0]["message"], *second]
+    before = await log.reader.events(sid)
+    received = len(provider.received)
+    refused = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert refused.status_code == 422, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "UNSUPPORTED_CONTENT"
+    assert error["message"].startswith(f"UNSUPPORTED_CONTENT: {where}:"), error["message"]
+    assert error["param"] == where
+    assert len(provider.received) == received
+    assert await log.reader.events(sid) == before
+
+
+DEEP = b"[" * 20_000 + b"]" * 20_000
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"scripted-model","messages":' + DEEP + b"}",
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi","x":' + DEEP + b"}]}",
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"}],"tools":' + DEEP + b"}",
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"}],"temperature":' + DEEP + b"}",
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"\\x"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"\xff"}]}',
+        b'{"model":"scripted-model\xff","messages":[{"role":"user","content":"hi"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"}]',
+        b"[1,2]",
+        b'{"model":"scripted-model","messages":{"role":"user"}}',
+        b'{"model":["m"],"messages":[{"role":"user","content":"hi"}]}',
+        b'{"model":"scripted-model","messages":[{"role":7,"content":"hi"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"assistant","tool_calls":[{"id":1,"function":"f"}]}]}',
+        b"",
+    ],
+    ids=["deep-messages", "deep-in-a-message", "deep-tools", "deep-field", "bad-escape", "bad-utf8",
+         "bad-utf8-in-model", "not-json", "not-an-object", "messages-an-object", "model-a-list", "role-a-number",
+         "bad-tool-call", "empty"],
+)  # fmt: skip
+async def test_a_bad_body_to_the_record_route_is_a_typed_4xx_and_changes_nothing(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, body: bytes
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "first"}])
+    good = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    assert (await complete(http, gateway, sid, good)).status_code == 200
+    before = [e.raw for e in await load(log, sid)]
+    reply = await http.post(base(gateway, sid) + "/chat/completions", content=body)
+    assert 400 <= reply.status_code < 500, f"{reply.status_code} {reply.text[:300]}"
+    assert reply.json()["error"]["code"] in ("INVALID_REQUEST", "UNSUPPORTED_CONTENT"), reply.text[:300]
+    assert reply.headers["x-should-retry"] == "false"
+    assert len(provider.received) == 1
+    assert [e.raw for e in await load(log, sid)] == before
+
+
 async def test_an_idle_session_is_let_go_and_its_lease_released(
     http: httpx.AsyncClient, provisioned: Settings, provider_server: ServerThread, provider: ScriptedProvider,
     log: SessionLog,

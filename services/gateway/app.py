@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -134,6 +135,15 @@ def error_body(err: SessionLogError, *, request_id: str, path: str | None = None
     if err.seq is not None:
         error["seq"] = err.seq
     return {"error": error}
+
+
+# A refusal about one part of the request names it first (`$.messages[1]: ...`): that is its OpenAI `param`.
+_LEADING_PATH: Final = re.compile(r"\$(?:\.[A-Za-z_]\w*|\[\d+\])*(?=[:\s]|$)")
+
+
+def _leading_path(message: str) -> str | None:
+    found = _LEADING_PATH.match(message)
+    return found.group() if found is not None else None
 
 
 def _status_of(err: SessionLogError) -> int:
@@ -363,7 +373,7 @@ class Gateway:
         return upstream
 
     def _refuse(self, call: _Call, err: SessionLogError, divergence: Divergence | None = None) -> Response:
-        path = divergence.path if divergence is not None else None
+        path = divergence.path if divergence is not None else _leading_path(err.message)
         self.metrics.requests.labels(call.mode, "refused").inc()
         self.metrics.refusals.labels(err.code).inc()
         self._log_call(call, "refused", code=err.code, path=path, status=_status_of(err))

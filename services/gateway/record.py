@@ -328,7 +328,7 @@ class Recorder:
                 rest = raw[close:].lstrip()
                 if rest.startswith(b","):
                     tail = _msg_decoder.decode(b"[" + rest[1:])
-                    return _Client(system, count, [normal_message(m, f"$.messages[{count + i + (system is not None)}]")
+                    return _Client(system, count, [_loggable(m, f"$.messages[{count + i + (system is not None)}]")
                                                    for i, m in enumerate(tail)], raw)  # fmt: skip
         try:
             messages = _msg_decoder.decode(raw)
@@ -339,7 +339,7 @@ class Recorder:
             system = normal_message(messages[0], "$.messages[0]")
             messages = messages[1:]
         offset = 1 if system is not None else 0
-        return _Client(system, 0, [normal_message(m, f"$.messages[{i + offset}]") for i, m in enumerate(messages)], raw)
+        return _Client(system, 0, [_loggable(m, f"$.messages[{i + offset}]") for i, m in enumerate(messages)], raw)
 
     async def _log_request(self, call: Any, held: _Held, writer: SessionWriter, parsed: dict[str, Any]) -> _Exchange:
         session = writer.session
@@ -613,6 +613,14 @@ class Recorder:
         return _Exchange(
             self, call.session_id, held, writer, forwarded, expected, session.open_turn or 0, session.open_step.number
         )
+
+
+def _loggable(message: Any, where: str) -> dict[str, Any]:
+    """A conversation message's canonical wire form, refused here (named by its index in the request) when it has
+    no logged form: a second system message, a field no Message carries."""
+    wire = normal_message(message, where)
+    logged_message(wire, "", where)
+    return wire
 
 
 def _is_result(derived: DerivedMessage) -> bool:

@@ -425,6 +425,8 @@ def decode_event(raw: bytes, position: int) -> Event:
     """
     if raw.count(b"[") + raw.count(b"{") > MAX_EVENT_DEPTH:  # the cheap bound first: most events stop here
         check_depth(raw, position)
+    if not raw.isascii():
+        check_utf8(raw, position)
     try:
         typed: Any = _core_decoder.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -490,6 +492,15 @@ def check_depth(raw: bytes, position: int) -> None:
         )
 
 
+def check_utf8(raw: bytes, position: int) -> None:
+    """Refuse bytes that are not UTF-8 (`INVALID_EVENT`): the decoders check only the strings they read, so
+    invalid bytes in a skipped field or an ignorable type's `data` would otherwise be kept and exported."""
+    try:
+        raw.decode()
+    except UnicodeDecodeError as exc:
+        raise InvalidEvent(f"the event is not valid UTF-8 (byte {exc.start}: {exc.reason})", seq=position) from None
+
+
 def _decode_slow(raw: bytes, position: int, fast_error: Exception) -> Event:
     """Plugin and ignorable types, and every refusal: decode the envelope alone, then the data by type, so the
     error names the type and the field."""
@@ -511,6 +522,8 @@ def _decode_slow(raw: bytes, position: int, fast_error: Exception) -> Event:
             data = decoder.decode(env.data)
         except msgspec.ValidationError as exc:
             raise InvalidEvent(f"{kind}: {_PATH_RE.sub('`$.data', str(exc))}", seq=seq) from None
+        except msgspec.DecodeError as exc:  # invalid UTF-8 inside `data`, which the envelope kept as raw bytes
+            raise InvalidEvent(f"{kind}: `data`: {exc}", seq=seq) from None
         # Envelope and data each decode alone but not together: a key given twice, read differently by the two.
         raise InvalidEvent(f"{kind}: the event does not decode as one envelope ({fast_error})", seq=seq)
     if is_known_type(kind):

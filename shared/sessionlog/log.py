@@ -389,9 +389,12 @@ class SessionLog:
         check_session_id(session_id)
         if await self.header(session_id) is None and await self.reader.last_record(session_id) is None:
             raise SessionNotFound(f"session {session_id} not found")
+        bucket = self.settings.kv_sessions
+        # The headers bucket refuses purge markers (a writer could send one too): its stream is purged, last.
         for stream, subject in (
             (self.settings.stream, events_filter(session_id)),
             (self.settings.raw_stream, raw_subject(session_id)),
+            (f"KV_{bucket}", f"$KV.{bucket}.{session_id}"),
         ):
             try:
                 await self.js.purge_stream(stream, subject=subject)
@@ -404,8 +407,6 @@ class SessionLog:
                     f"stream {stream} refuses purges ({err.description}); erasure needs streams created with "
                     "SESSIONLOG_ALLOW_PURGE=true"
                 ) from None
-        with contextlib.suppress(NotFoundError, KeyNotFoundError):
-            await self._kv_sessions.purge(session_id)
         await self.nc.publish(f"{PURGED_PREFIX}{session_id}", b"")
         await self.nc.flush()
 

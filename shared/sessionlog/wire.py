@@ -58,12 +58,15 @@ from typing import Any, Final
 import msgspec
 
 from .errors import DerivationDiverges, HeaderDiverges, InvalidRequest, SessionLogError, UnsupportedContent
-from .events import ImageBlock, ReasoningBlock, TextBlock, ToolCallBlock, ToolResultBlock
+from .events import ImageBlock, ReasoningBlock, TextBlock, ToolCallBlock, ToolResultBlock, nests_deeper_than
 from .session import DerivedMessage, DerivedMessages, FoldedHeader
 from .wireforms import canonical as normal_canonical
 from .wireforms import normal_message, wire_tool
 
 TRANSPORT_FIELDS: Final = frozenset({"stream", "stream_options"})
+# The deepest request body the gateway reads. Past Python's recursion limit (about 1,000) every decoder and the
+# comparison raise RecursionError (a 500); 128 leaves room for tools' JSON schemas nested 60 properties deep.
+MAX_REQUEST_DEPTH: Final = 128
 PHRASE: Final = "diverges from the dispatch-time durable derivation"
 
 _encoder: Final = msgspec.json.Encoder(order="sorted")
@@ -378,6 +381,8 @@ def parse_request(body: bytes | Mapping[str, Any], *, lazy: bool = False) -> dic
     """
     if isinstance(body, Mapping):
         return dict(body)
+    if nests_deeper_than(body, MAX_REQUEST_DEPTH):
+        raise InvalidRequest(f"the request body nests more than {MAX_REQUEST_DEPTH} levels of JSON objects and arrays")
     if lazy:
         try:
             fields = _top_decoder.decode(body)

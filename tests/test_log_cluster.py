@@ -8,7 +8,6 @@ retries within its budget until a new leader answers, and nothing is doubled.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from sessionlog.embedded import Cluster
 from sessionlog.errors import LogUnavailable
 from sessionlog.events import Event
 from sessionlog.log import SessionLog, SessionWriter
-from sessionlog.provision import resources
+from sessionlog.provision import wait_until_served
 from sessionlog.record import Record
 
 pytest_plugins = ["natsfixtures"]
@@ -76,20 +75,10 @@ async def turn(writer: SessionWriter, text: str) -> list[bytes]:
 async def every_stream_has_a_leader(log: SessionLog, timeout: float = 30.0) -> None:
     """Provisioning returns when the R3 streams exist, not when each has elected a leader and answers direct
     gets; a write or a read in between fails (LOG_UNAVAILABLE: no responders). Wait for both."""
-    deadline = time.monotonic() + timeout
-    for resource in resources(log.settings):
-        while True:
-            with contextlib.suppress(Exception):
-                info = await log.js.stream_info(resource.stream)
-                if info.cluster is not None and info.cluster.leader:
-                    if not resource.config.get("allow_direct"):
-                        break
-                    # Any answer (a message or a 404 status) shows a direct get responder; none raises.
-                    await log.nc.request(f"$JS.API.DIRECT.GET.{resource.stream}", b'{"seq":1}', timeout=1.0)
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"{resource.label} has no leader answering direct gets after {timeout}s")
-            await asyncio.sleep(0.05)
+    try:
+        await wait_until_served(log.nc, log.js, log.settings, timeout)
+    except LogUnavailable as err:
+        pytest.fail(str(err))
 
 
 def connected_node(cluster: Cluster, log: SessionLog) -> int:

@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     plots = None if args.no_plots else (args.plots or HERE / ("plots-quick" if args.quick else "plots"))
 
     from .common import machine
-    from .report import goals, plot, print_summary
+    from .report import goals, markdown, plot, print_summary
 
     names = args.names or BENCHMARKS
     results: dict[str, Any] = {"quick": args.quick, "machine_before": machine(), "seconds": {}}
@@ -70,6 +70,7 @@ def main(argv: list[str]) -> int:
         written = plot(results, plots)
         results["plots"] = [str(p) for p in written]
         out.write_text(json.dumps(results, indent=1, default=float) + "\n")
+    out.with_suffix(".md").write_text(markdown(results))
     print_summary(results)
     print(f"bench: wrote {out}" + (f" and {len(results.get('plots', []))} plots in {plots}" if plots else ""))
     return 1 if failed else 0

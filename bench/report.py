@@ -343,3 +343,20 @@ def _memory(plt: Any, r: dict[str, Any]) -> tuple[Any, str]:
     _bars(ax, labels, values, unit="MiB per 1,000 resident sessions (RSS growth / sessions held)")
     ax.set_title("Projection memory per resident session")
     return fig, "memory_per_session"
+
+
+def markdown(r: dict[str, Any]) -> str:
+    """The goals table as Markdown, with the machine and its load, for docs/performance.md."""
+    before, after = r.get("machine_before", {}), r.get("machine_after", {})
+    lines = [
+        f"Run of {before.get('time_utc')}: {before.get('cores')} cores, {before.get('memory_gib')} GiB, "
+        f"Python {before.get('python')}, {before.get('nats_server')}; load average (1/5/15 min) before "
+        f"{_load(before)}, after {_load(after)}.",
+        "",
+        "| goal | target | figure | met | detail |",
+        "|---|---|---|---|---|",
+    ]
+    for row in r.get("goals", []):
+        met = {True: "met", False: "**not met**", None: ""}[row["met"]]
+        lines.append(f"| {row['goal']} | {row['target']} | {_fmt(row['figure'])} | {met} | {row['note']} |")
+    return "\n".join(lines) + "\n"

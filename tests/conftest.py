@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -25,6 +26,36 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES_DIR = REPO_ROOT / "tests" / "fixtures" / "dsh-sessions"
 
 pytest_plugins = ["natsfixtures"]
+
+
+def dsh_header_problem(header: dict[str, Any]) -> str | None:
+    """Why dsh would refuse this session header line, or None: the rules of its loader (checked against dsh's
+    packages/core/session source, 2026-12-03). It knows `origin` only as "subagent"; a fork writes none."""
+
+    def non_negative_int(value: Any) -> bool:
+        return type(value) is int and value >= 0
+
+    if header.get("type") != "session":
+        return "first line is not a session header"
+    if header.get("version") != 0:
+        return f"version must be 0, got {header.get('version')!r}"
+    if not isinstance(header.get("id"), str):
+        return "id must be a string"
+    if not non_negative_int(header.get("createdAt")):
+        return "createdAt must be a non-negative safe integer"
+    if "cwd" in header and not (isinstance(header["cwd"], str) and header["cwd"].startswith("/")):
+        return f"cwd must be an absolute path, got {header['cwd']!r}"
+    if "parentSession" in header and not isinstance(header["parentSession"], str):
+        return "parentSession must be a string"
+    if "seedLength" in header and not non_negative_int(header["seedLength"]):
+        return "seedLength must be a non-negative safe integer"
+    if "origin" in header and header["origin"] != "subagent":
+        return f'origin must be "subagent", got {header["origin"]!r}'
+    if "delegationDepth" in header and not non_negative_int(header["delegationDepth"]):
+        return "delegationDepth must be a non-negative safe integer"
+    if "agentPreset" in header and not isinstance(header["agentPreset"], str):
+        return "agentPreset must be a string"
+    return None
 
 
 def normalize_fixture(data: bytes) -> bytes:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES_DIR, normalize_fixture
+from conftest import FIXTURES_DIR, dsh_header_problem, normalize_fixture
 
 from sessionlog.cli import main
 from sessionlog.jsonl import read_jsonl
@@ -132,6 +132,10 @@ def test_fork_writes_the_child_and_refuses_inside_an_open_turn(
     assert code == 0
     forked = read_jsonl(child)
     assert forked.header.id == "kid" and forked.header.seed_length == 32
+    child_header = json.loads(forked.header_raw)
+    assert child_header["cwd"] == "{{cwd}}"  # the recorder's placeholder, copied from the parent
+    child_header["cwd"] = "/cwd"
+    assert "origin" not in child_header and dsh_header_problem(child_header) is None, child_header
     assert forked.events[:32] == read_jsonl(parallel).events
     assert b"session/end-seed" in forked.events[32]
     code, _, err = run(capsys, "fork", str(parallel), "--id", "kid", "-o", str(child))

@@ -266,6 +266,7 @@ async def test_a_large_derivation_is_paged_and_the_pages_add_up(stack: Stack) ->
             if at is not None:
                 body["at_seq"] = at
             messages: list[Any] = []
+            seqs: list[int] = []
             page: int | None = 0
             pages = 0
             while page is not None:
@@ -276,12 +277,16 @@ async def test_a_large_derivation_is_paged_and_the_pages_add_up(stack: Stack) ->
                     k: want[k] for k in ("seq", "generation", "header", "sha256")
                 }, "every page carries the whole derivation's seq and sha256"
                 messages += reply["messages"]
+                seqs += reply["seqs"]
                 pages += 1
                 next_page = reply.get("next_page")
                 assert next_page is None or next_page == page + 1
                 page = next_page
             assert pages >= 3
             assert messages == want["messages"] and canonical_sha(messages) == want["sha256"]
+            full = await log_of(log, writer.session_id)
+            view = full if at is None else full.prefix(at)
+            assert seqs == [m.seq for m in view.derive_messages()], "each page names its messages' seqs"
     # Over the wire too, and a page past the end is refused.
     first = await derive(log, {"session": writer.session_id, "page": 0})
     assert first["next_page"] == 1 and first["sha256"] == expected["sha256"]
@@ -321,27 +326,27 @@ async def test_bad_requests_get_typed_errors_and_the_service_keeps_serving(stack
     last = await writer.flush()
     sid = writer.session_id
     cases: list[tuple[bytes, str]] = [
-        (b"not json", "INVALID_EVENT"),
-        (b"[1, 2]", "INVALID_EVENT"),
-        (b"{}", "INVALID_EVENT"),
-        (b'{"session": 5}', "INVALID_EVENT"),
+        (b"not json", "INVALID_REQUEST"),
+        (b"[1, 2]", "INVALID_REQUEST"),
+        (b"{}", "INVALID_REQUEST"),
+        (b'{"session": 5}', "INVALID_REQUEST"),
         (b'{"session": "a.b"}', "INVALID_SESSION_ID"),
         (b'{"session": "sessionlog.>"}', "INVALID_SESSION_ID"),
-        (json.dumps({"session": sid, "min_seq": -1}).encode(), "INVALID_EVENT"),
-        (json.dumps({"session": sid, "min_seq": "3"}).encode(), "INVALID_EVENT"),
-        (json.dumps({"session": sid, "min_seq": True}).encode(), "INVALID_EVENT"),
-        (json.dumps({"session": sid, "min_seq": 1.5}).encode(), "INVALID_EVENT"),
-        (json.dumps({"session": sid, "at_seq": -2}).encode(), "INVALID_EVENT"),
-        (json.dumps({"session": sid, "page": -1}).encode(), "INVALID_EVENT"),
-        (json.dumps({"session": sid, "timeout_ms": -5}).encode(), "INVALID_EVENT"),
+        (json.dumps({"session": sid, "min_seq": -1}).encode(), "INVALID_REQUEST"),
+        (json.dumps({"session": sid, "min_seq": "3"}).encode(), "INVALID_REQUEST"),
+        (json.dumps({"session": sid, "min_seq": True}).encode(), "INVALID_REQUEST"),
+        (json.dumps({"session": sid, "min_seq": 1.5}).encode(), "INVALID_REQUEST"),
+        (json.dumps({"session": sid, "at_seq": -2}).encode(), "INVALID_REQUEST"),
+        (json.dumps({"session": sid, "page": -1}).encode(), "INVALID_REQUEST"),
+        (json.dumps({"session": sid, "timeout_ms": -5}).encode(), "INVALID_REQUEST"),
         (json.dumps({"session": new_session_id("absent")}).encode(), "SESSION_NOT_FOUND"),
     ]
     for payload, code in cases:
         assert await error_code(log, DERIVE, payload) == code, payload
     for payload, code in [
-        (b"nope", "INVALID_EVENT"),
-        (json.dumps({"session": sid}).encode(), "INVALID_EVENT"),
-        (json.dumps({"session": sid, "event": "x"}).encode(), "INVALID_EVENT"),
+        (b"nope", "INVALID_REQUEST"),
+        (json.dumps({"session": sid}).encode(), "INVALID_REQUEST"),
+        (json.dumps({"session": sid, "event": "x"}).encode(), "INVALID_REQUEST"),
         (json.dumps({"session": "bad id", "event": {}}).encode(), "INVALID_SESSION_ID"),
     ]:
         assert await error_code(log, PLAN, payload) == code, payload

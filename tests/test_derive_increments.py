@@ -19,7 +19,7 @@ from sessiongen import user_message_data
 
 from services.context_deriver.service import ContextDeriverService
 from services.gateway.derivation import ContextDeriverClient, StreamSource, _Known
-from sessionlog.errors import InvalidEvent
+from sessionlog.errors import InvalidRequest
 from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.micro import call
 from sessionlog.session import messages_canonical
@@ -135,7 +135,7 @@ async def test_bad_known_fields_are_refused_with_a_typed_error(log: SessionLog) 
     try:
         await user_turn(writer, "x")
         for bad in ({"known_count": -1}, {"known_generation": "0"}, {"known_count": 1.5}):
-            with pytest.raises(InvalidEvent, match=next(iter(bad))):
+            with pytest.raises(InvalidRequest, match=next(iter(bad))):
                 await derive(log, {"session": writer.session_id, "known_generation": 0, **bad})
     finally:
         await writer.close()

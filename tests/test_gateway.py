@@ -4,6 +4,7 @@ events written with the real SessionLog writer, requests made with httpx and the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -395,6 +396,62 @@ async def test_a_key_given_twice_smuggles_nothing_past_the_check_the_provider_ge
     assert provider.received[-1] == sent
 
 
+def smuggling_body(request: dict[str, Any], user_text: str) -> bytes:
+    """`request` encoded with a first `messages` the check (last wins) never reads, and inside the real one a user
+    message whose `content` is given twice: injected text first, the logged text last."""
+    body = msgspec.json.encode(request)
+    assert body.startswith(b"{") and b'"messages":' in body
+    injected = b'"messages":[{"role":"user","content":"INJECTED FIRST"}],'
+    user = b'"role":"user","content":' + msgspec.json.encode(user_text)
+    assert body.count(user) == 1
+    inner = b'"role":"user","content":"INJECTED INSIDE","content":' + msgspec.json.encode(user_text)
+    return b"{" + injected + body[1:].replace(user, inner)
+
+
+async def read_tee(log: SessionLog, session_id: str, request_id: str) -> dict[str, tuple[dict[str, str], bytes]]:
+    """The raw tee's request and response entries for one gateway request."""
+    entries: dict[str, tuple[dict[str, str], bytes]] = {}
+    sub = await log.js.subscribe(raw_subject(session_id), stream=log.settings.raw_stream, ordered_consumer=True)
+    try:
+        deadline = time.monotonic() + 5
+        while len(entries) < 2 and time.monotonic() < deadline:
+            try:
+                msg = await sub.next_msg(timeout=1)
+            except nats.errors.TimeoutError:
+                continue
+            headers = msg.headers or {}
+            if headers.get("Sessionlog-Request-Id") == request_id:
+                entries[headers["Sessionlog-Kind"]] = (headers, msg.data)
+    finally:
+        await sub.unsubscribe()
+    return entries
+
+
+@pytest.mark.parametrize("model_map", [{}, {"scripted-model": "provider-model-v2"}], ids=["no-map", "model-map"])
+async def test_a_key_given_twice_reaches_neither_the_provider_nor_the_tee_with_or_without_a_model_map(
+    provisioned: Settings,
+    provider_server: ServerThread,
+    agent: Agent,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    model_map: dict[str, str],
+) -> None:
+    provider.load([{"text": "checked"}])
+    base = gateway_config(provisioned, provider_server.url)
+    config = base.with_(upstream=dataclasses.replace(base.upstream, model_map=model_map))
+    await agent.start_turn("What is in the notes?")
+    request = agent.request()
+    with ServerThread(build_app(provisioned, config)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            response = await post(client, agent, smuggling_body(request, "What is in the notes?"))
+    assert response.status_code == 200, response.text
+    sent = provider.received[-1]
+    assert b"INJECTED" not in sent and sent.count(b'"messages"') == 1
+    assert msgspec.json.decode(sent) == {**request, "model": model_map.get(request["model"], request["model"])}
+    entries = await read_tee(log, agent.session_id, response.headers["x-sessionlog-request-id"])
+    assert entries["request"][1] == sent  # the tee holds exactly the bytes the provider read
+
+
 async def test_a_compacted_session_passes_with_the_summary_and_the_transcript_keeps_the_originals(
     http: httpx.AsyncClient, agent: Agent, provider: ScriptedProvider, log: SessionLog
 ) -> None:
@@ -643,6 +700,104 @@ async def test_the_openai_sdk_works_through_the_gateway_and_sees_refusals(
     await client.close()
 
 
+async def test_the_openai_sdk_with_its_default_retries_sends_each_refused_request_once(
+    provisioned: Settings, provider_server: ServerThread, agent: Agent, provider: ScriptedProvider
+) -> None:
+    """A refusal is final: the SDK (which by default retries 408, 409, 429 and 5xx twice) reads
+    `x-should-retry: false` and stops, so one refused request reaches the gateway once."""
+    app = build_app(provisioned, gateway_config(provisioned, provider_server.url))
+    registry = app.state.gateway.metrics.registry
+
+    def refused_count() -> float:
+        return registry.get_sample_value("sessionlog_gateway_requests_total", {"mode": "proxy", "outcome": "refused"})
+
+    await agent.start_turn("hello SDK")
+    request = agent.request()
+    create: dict[str, Any] = {
+        "model": request["model"], "tools": request["tools"], "temperature": 0.2, "max_tokens": 256,
+    }  # fmt: skip
+    with ServerThread(app) as server:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused")
+        assert client.max_retries == 2
+        try:
+            sneaky = [*request["messages"], {"role": "user", "content": "sneaky"}]
+            with pytest.raises(openai.ConflictError) as conflict:
+                await client.chat.completions.create(messages=sneaky, extra_headers=await agent.headers(), **create)
+            assert conflict.value.code == "DERIVATION_DIVERGES"
+            assert refused_count() == 1
+            assert conflict.value.response.headers["x-should-retry"] == "false"
+            # A seq the log does not reach: the gateway waits its bounded time once, not three times.
+            ahead = {**await agent.headers(), "X-Session-Seq": str(agent.writer.next_seq + 5)}
+            with pytest.raises(openai.ConflictError):
+                await client.chat.completions.create(messages=request["messages"], extra_headers=ahead, **create)
+            assert refused_count() == 2
+            # A malformed `messages` is a bad request (400), not a divergence of the log (409).
+            with pytest.raises(openai.BadRequestError) as bad:
+                await client.chat.completions.create(
+                    messages="not a list",  # type: ignore[arg-type]
+                    extra_headers=await agent.headers(), **create,
+                )  # fmt: skip
+            assert bad.value.code == "INVALID_REQUEST" and "$.messages" in bad.value.message
+            assert refused_count() == 3
+        finally:
+            await client.close()
+    assert provider.received == []
+
+
+@pytest.mark.parametrize(
+    ("messages", "what"),
+    [(None, "missing"), ("hi", "a string"), ({"role": "user"}, "an object"), (["hi"], "an item that is no object"),
+     ([{"content": "no role"}], "an item without a role")],
+    ids=["missing", "string", "object", "item-not-object", "item-without-role"],
+)  # fmt: skip
+async def test_a_malformed_messages_field_is_invalid_request_not_a_divergence(
+    http: httpx.AsyncClient, agent: Agent, provider: ScriptedProvider, messages: Any, what: str
+) -> None:
+    await agent.start_turn("hello")
+    request = agent.request()
+    if messages is None:
+        del request["messages"]
+    else:
+        request["messages"] = messages
+    response = await post(http, agent, request)
+    assert response.status_code == 400, what
+    error = response.json()["error"]
+    assert error["code"] == "INVALID_REQUEST" and "$.messages" in error["message"], (what, error)
+    assert response.headers["x-should-retry"] == "false"
+    # Derive mode reads the same field the same way.
+    url = f"/v1/sessions/{agent.session_id}/completions"
+    if messages is not None:
+        response = await http.post(url, json={"messages": messages})
+        assert response.status_code == 400 and response.json()["error"]["code"] == "INVALID_REQUEST", what
+    assert provider.received == []
+
+
+async def test_every_refusal_says_do_not_retry_and_unknown_routes_answer_the_json_error_shape(
+    http: httpx.AsyncClient, agent: Agent
+) -> None:
+    await agent.start_turn("hello")
+    body = msgspec.json.encode({**agent.request(), "seed": 7})
+    answers = [
+        await post(http, agent, body),  # 409 HEADER_DIVERGES
+        await post(http, agent, b"{not json"),  # 400 INVALID_REQUEST
+        await http.post("/v1/chat/completions", content=body, headers={"X-Session-Id": "nobody-" + uuid.uuid4().hex}),
+        await http.post("/v1/chat/completions", content=body, headers={"X-Session-Id": "bad.id"}),
+    ]
+    assert [r.status_code for r in answers] == [409, 400, 404, 400]
+    assert all(r.headers.get("x-should-retry") == "false" for r in answers)
+    for method, path, status, code in [
+        ("POST", "/v1/embeddings", 404, "NOT_FOUND"),
+        ("GET", "/v1/models/x", 404, "NOT_FOUND"),
+        ("GET", "/v1/chat/completions", 405, "METHOD_NOT_ALLOWED"),
+    ]:
+        response = await http.request(method, path)
+        assert response.status_code == status, (path, response.text)
+        assert response.headers["content-type"].startswith("application/json")
+        error = response.json()["error"]
+        assert error["code"] == code and error["type"] == "invalid_request_error" and path in error["message"]
+        assert response.headers["x-should-retry"] == "false"
+
+
 async def test_the_gateway_api_key_is_required_when_configured(
     provisioned: Settings, provider_server: ServerThread, agent: Agent, provider: ScriptedProvider
 ) -> None:
@@ -821,3 +976,45 @@ async def test_the_context_deriver_client_against_the_real_context_deriver(
     bad = {**expected_request, "temperature": 1.0}
     divergence = compare_request(bad, derived.messages, derived.header)
     assert divergence is not None and divergence.path == "$.temperature"
+
+
+async def test_a_refusal_in_the_default_mode_names_the_seq_when_the_context_deriver_answers(
+    provisioned: Settings, provider_server: ServerThread, log: SessionLog, agent: Agent, provider: ScriptedProvider
+) -> None:
+    """SPEC section 10: a refusal names the seq. In `auto` mode the derivation comes from the context-deriver,
+    whose reply must carry each message's seq and the header's, as the stream's does."""
+    from services.context_deriver.service import ContextDeriverService
+
+    config = gateway_config(provisioned, provider_server.url, deriver_timeout_s=5.0)
+    assert config.derivation == "auto"
+    app = build_app(provisioned, config)
+    registry = app.state.gateway.metrics.registry
+    await agent.start_turn("first question")
+    await agent.assistant("first answer")
+    await agent.end_step()
+    await agent.start_step()
+    user_seq = next(e.seq for e in agent.writer.session if e.type == "user/message")
+    header = agent.writer.session.fold_request_header()
+    assert header is not None and header.seq > 0
+    service = ContextDeriverService(log)
+    await service.start()
+    try:
+        with ServerThread(app) as server:
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                edited = agent.request()
+                edited["messages"][1]["content"] = "What do my secrets say?"
+                message_error = refused(
+                    await post(client, agent, edited), "DERIVATION_DIVERGES", "$.messages[1].content"
+                )
+                header_error = refused(await post(client, agent, {**agent.request(), "temperature": 0.9}),
+                                       "HEADER_DIVERGES", "$.temperature")  # fmt: skip
+    finally:
+        await service.stop()
+    sources = {
+        source: registry.get_sample_value("sessionlog_gateway_derivations_total", {"source": source})
+        for source in ("context-deriver", "stream")
+    }
+    assert sources == {"context-deriver": 2.0, "stream": None}, "both derivations came from the context-deriver"
+    assert message_error.get("seq") == user_seq, message_error
+    assert header_error.get("seq") == header.seq, header_error
+    assert provider.received == []

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_asyncio
+from conftest import dsh_header_problem
 from natsfixtures import new_session_id
 from scaffold import LEASE_TTL_S, Opened, eventually
 from sessiongen import SessionBuilder, text_block, tool_call_block
@@ -90,6 +91,21 @@ def as_file(header: dict[str, Any], events: list[bytes]) -> JsonlLog:
 # ---------------------------------------------------------------------------------------------- fork
 
 
+async def test_create_writes_only_a_header_dsh_loads(logs: Logs) -> None:
+    """dsh knows `origin` only as "subagent": any other value would make the exported file unloadable there."""
+    log = await logs.connect()
+    refused = new_session_id()
+    with pytest.raises(SessionLogError) as info:
+        await log.create(refused, origin="fork")
+    assert info.value.code == "INVALID_EVENT" and "subagent" in info.value.message
+    assert await log.header(refused) is None, "nothing was written"
+    child = new_session_id()
+    writer = await log.create(child, cwd="/repo", origin="subagent", delegation_depth=1)
+    await writer.close()
+    header = msgspec.json.decode(await log.header(child))
+    assert header["origin"] == "subagent" and dsh_header_problem(header) is None
+
+
 async def test_fork_copies_the_prefix_adds_an_end_seed_records_lineage_and_leaves_the_parent_untouched(
     logs: Logs,
 ) -> None:
@@ -115,7 +131,9 @@ async def test_fork_copies_the_prefix_adds_an_end_seed_records_lineage_and_leave
     assert await log.header(child) == child_header
     header = msgspec.json.decode(child_header)
     assert header["id"] == child and header["parentSession"] == parent
-    assert header["seedLength"] == boundary + 1 and header["cwd"] == "/repo" and header["delegationDepth"] == 1
+    assert header["seedLength"] == boundary + 1 and header["cwd"] == "/repo"
+    # What dsh accepts and its own fork writes: no `origin`, `delegationDepth` 0 whatever the parent's (1 here).
+    assert "origin" not in header and header["delegationDepth"] == 0 and dsh_header_problem(header) is None
     assert header["createdAt"] >= before
 
     assert await log.header(parent) == parent_header

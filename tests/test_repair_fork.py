@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from conftest import FIXTURES_DIR, normalize_fixture
+from conftest import FIXTURES_DIR, dsh_header_problem, normalize_fixture
 from sessiongen import SessionBuilder, derived_pairing, text_block, tool_call_block
 
 from sessionlog.errors import InvalidBoundary, OpenTurn
@@ -104,6 +104,37 @@ def test_calls_announced_by_two_messages_of_the_step_are_closed_in_announcement_
     b.assistant_message([tool_call_block("call-a")], source_seqs=[])
     ids = [c["data"]["message"]["content"][0]["toolCallId"] for c in decoded(interrupted_turn_closers(b.session))[:-2]]
     assert ids == ["call-b", "call-a"]
+
+
+def replace_assistant(b: SessionBuilder, node: int, blocks: list[dict[str, Any]]) -> int:
+    """An assistant/message replacing surface node `node` in the open step, carrying `blocks`."""
+    data = {"turn": b.turn, "step": b.step, "message": {"id": b.fresh_id("rewritten"), "role": "assistant",
+            "content": blocks, "source": {"kind": "plugin", "plugin": "rewrite"}}}  # fmt: skip
+    return b.emit("assistant/message", data, surfaceOp={"op": "replace", "start": node, "end": node},
+                  sourceEventSeqs=[node])  # fmt: skip
+
+
+def test_a_call_carried_by_an_assistant_replacement_in_the_open_step_is_closed_too() -> None:
+    """dsh's closers register the tool calls of every assistant/message of the open step, a replacement's too;
+    a call left dangling would make the provider refuse the repaired context."""
+    b = announced_step(("call-a",))
+    node = b.session.surface.nodes[-1]
+    replace_assistant(b, node, [text_block("On it, differently."), tool_call_block("call-a"),
+                                tool_call_block("call-r"), tool_call_block("call-s")])  # fmt: skip
+    call_s = b.tool_call("call-s")
+    closers = decoded(interrupted_turn_closers(b.session))
+    results = [c for c in closers if c["type"] == "tool/result"]
+    # call-a, announced twice, is closed once; the replacement's own calls follow in their order.
+    assert [r["data"]["message"]["content"][0]["toolCallId"] for r in results] == ["call-a", "call-r", "call-s"]
+    assert [r["data"]["error"]["code"] for r in results] == ["TOOL_NOT_STARTED", "TOOL_NOT_STARTED",
+                                                             "TOOL_OUTCOME_UNKNOWN"]  # fmt: skip
+    assert results[2]["sourceEventSeqs"] == [call_s]
+    repaired = apply(b.session, interrupted_turn_closers(b.session))
+    assert repaired.open_turn is None
+    wire = msgspec.json.decode(messages_json(repaired.derive_messages()))
+    called = [c["id"] for m in wire for c in m.get("content", []) if c.get("type") == "tool-call"]
+    answered = [c["toolCallId"] for m in wire for c in m.get("content", []) if c.get("type") == "tool-result"]
+    assert called == ["call-a", "call-r", "call-s"] and answered == called, "every call on the surface is answered"
 
 
 def test_a_synthetic_result_has_the_spec_shape() -> None:
@@ -345,6 +376,27 @@ def test_a_fork_childs_header_records_its_lineage() -> None:
     assert header["cwd"] == "/work"
     without_cwd = plan.child_header(child_id="child-2", parent={"id": "parent-1"}, created_at=NOW_MS)
     assert "cwd" not in without_cwd and without_cwd["parentSession"] == "parent-1"
+
+
+def test_a_fork_childs_header_is_one_dsh_loads_even_from_a_subagent_parent() -> None:
+    """dsh refuses a header whose `origin` is not "subagent" ("first line is not a session header"), and its own
+    fork writes no `origin` and leaves `delegationDepth` at 0 whatever the parent's."""
+    plan = plan_fork(closed_session().session, now_ms=NOW_MS)
+    parent = {"type": "session", "version": 0, "id": "sub-1", "createdAt": 1, "cwd": "/work",
+              "parentSession": "top-1", "origin": "subagent", "delegationDepth": 2}  # fmt: skip
+    header = plan.child_header(child_id="child-1", parent=parent, created_at=NOW_MS)
+    assert dsh_header_problem(header) is None, header
+    assert "origin" not in header and header["delegationDepth"] == 0
+    assert header["parentSession"] == "sub-1" and header["cwd"] == "/work"
+    # The checker is dsh's rule, not a formality: the header this project used to write fails it, the
+    # children dsh wrote itself pass it.
+    assert dsh_header_problem({**header, "origin": "fork"}) == "origin must be \"subagent\", got 'fork'"
+    children = sorted(FIXTURES_DIR.glob("*.[0-9].jsonl"))
+    assert len(children) >= 10
+    for path in children:
+        line = path.read_bytes().split(b"\n", 1)[0].replace(b"{{cwd}}", b"/cwd")
+        child = msgspec.json.decode(line)
+        assert child.get("origin") == "subagent" and dsh_header_problem(child) is None, path.name
 
 
 # ---------------------------------------------------------------------------------------------- resume

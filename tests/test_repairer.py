@@ -416,9 +416,9 @@ async def test_close_refuses_while_a_writer_lives_and_answers_no_closers_for_a_c
     assert reply == {"session": done.session_id, "closers": []}
 
     for payload, code in [
-        (b"not json", "INVALID_EVENT"),
-        (b"{}", "INVALID_EVENT"),
-        (b'{"session": 3}', "INVALID_EVENT"),
+        (b"not json", "INVALID_REQUEST"),
+        (b"{}", "INVALID_REQUEST"),
+        (b'{"session": 3}', "INVALID_REQUEST"),
         (b'{"session": "a b"}', "INVALID_SESSION_ID"),
         (json.dumps({"session": new_session_id("absent")}).encode(), "SESSION_NOT_FOUND"),
     ]:

@@ -118,13 +118,13 @@ async def test_a_replica_that_does_not_own_the_session_reports_from_the_stream(
 async def test_unknown_and_malformed_report_requests_are_refused_with_their_codes(
     log: SessionLog, auditor: TokenAuditorService
 ) -> None:
-    from sessionlog.errors import InvalidEvent, InvalidSessionId, SessionNotFound
+    from sessionlog.errors import InvalidRequest, InvalidSessionId, SessionNotFound
 
     with pytest.raises(SessionNotFound):
         await report(log, "no-such-session")
     with pytest.raises(InvalidSessionId):
         await report(log, "bad.id")
-    with pytest.raises(InvalidEvent):
+    with pytest.raises(InvalidRequest):
         await call(log.nc, "sessionlog.audit.report", {"session": 3}, timeout=WAIT_S)
 
 

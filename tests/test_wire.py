@@ -224,9 +224,8 @@ def test_a_request_with_other_key_order_and_whitespace_passes() -> None:
         (lambda r: r["messages"].pop(0), "$.messages[0].content"),
         (lambda r: r["messages"][2].pop("reasoning_content"), "$.messages[2].reasoning_content"),
         (lambda r: r["messages"][2].__setitem__("content", None), "$.messages[2].content"),
-        (lambda r: r.pop("messages"), "$.messages"),
     ],
-    ids=["injected", "reordered", "edited", "missing", "system-dropped", "reasoning-dropped", "null-content", "none"],
+    ids=["injected", "reordered", "edited", "missing", "system-dropped", "reasoning-dropped", "null-content"],
 )
 def test_a_request_whose_messages_differ_is_refused_with_the_path(mutate: Any, path: str) -> None:
     messages, header = derivation(tool_turn())
@@ -244,6 +243,20 @@ def test_a_request_whose_messages_differ_is_refused_with_the_path(mutate: Any, p
                            cache=cache) is None  # fmt: skip
     lazy = compare_request(parse_request(msgspec.json.encode(request), lazy=True), messages, header, cache=cache)
     assert lazy == divergence
+
+
+@pytest.mark.parametrize("messages", [None, "hi", {"role": "user"}, [1], [{"content": "x"}]],
+                         ids=["none", "string", "object", "number-item", "no-role"])  # fmt: skip
+def test_a_malformed_messages_field_is_an_invalid_request_not_a_divergence(messages: Any) -> None:
+    derived, header = derivation(tool_turn())
+    request = expected_request()
+    if messages is None:
+        del request["messages"]
+    else:
+        request["messages"] = messages
+    for parsed in (request, parse_request(msgspec.json.encode(request), lazy=True)):
+        with pytest.raises(InvalidRequest, match=r"\$\.messages"):
+            compare_request(parsed, derived, header, cache=WireCache())
 
 
 def test_the_refusal_names_the_seq_of_the_derived_message() -> None:

@@ -13,7 +13,7 @@ import msgspec
 from sessionlog.errors import (
     EventTooLarge,
     InvalidBoundary,
-    InvalidEvent,
+    InvalidRequest,
     LogUnavailable,
     SessionLogError,
     SessionNotFound,
@@ -156,7 +156,7 @@ class ContextDeriverService(ProjectionService[DeriverState]):
             else:
                 messages_body, digest = canonical_messages(session)
         header = session.fold_request_header()
-        reply = {
+        reply: dict[str, Any] = {
             "session": session_id,
             "seq": len(session) - 1,
             "generation": session.generation,
@@ -165,36 +165,46 @@ class ContextDeriverService(ProjectionService[DeriverState]):
             # The gateway's invariant needs an open step: [turn, step], or null between steps.
             "open_step": [session.open_turn, session.open_step.number] if session.open_step is not None else None,
         }
+        if header is not None:
+            # A refusal names the seq it concerns (SPEC section 10): the header's here, each message's in `seqs`.
+            reply["header_seq"] = header.seq
+            reply["header_reason"] = header.reason
         limit = int(self.log.nc.max_payload * PAGE_FRACTION)
         if known_generation == session.generation and known_count is not None and at_seq is None and page == 0:
             # The caller holds the first `known_count` messages of this generation: a generation's messages only
             # grow, so those are this derivation's first ones too (`sha256`, of the whole list, lets it check).
             messages = session.derive_messages()
             if known_count <= len(messages):
-                reply["messages_from"] = known_count
-                added = b"[" + b",".join(m.canonical for m in messages[known_count:]) + b"]"
-                if len(msgspec.json.encode(reply)) + 64 + len(added) <= limit:
-                    return _with_messages(reply, added)
-                del reply["messages_from"]  # too many to send at once: the whole list, paged
+                added_messages = messages[known_count:]
+                added = b"[" + b",".join(m.canonical for m in added_messages) + b"]"
+                partial = {**reply, "messages_from": known_count, "seqs": [m.seq for m in added_messages]}
+                if len(msgspec.json.encode(partial)) + 64 + len(added) <= limit:
+                    return _with_messages(partial, added)
+                # too many to send at once: the whole list, paged
+        derived = session.derive_messages()
+        whole = {**reply, "seqs": [m.seq for m in derived]}
+        if page == 0 and len(msgspec.json.encode(whole)) + 64 + len(messages_body) <= limit:
+            return _with_messages(whole, messages_body)
         head = len(msgspec.json.encode(reply)) + 64  # every page carries the header and the envelope
-        if head + len(messages_body) <= limit and page == 0:
-            return _with_messages(reply, messages_body)
         if head + 1024 > limit:
             raise EventTooLarge(
                 f"session {session_id}: the folded header alone is {head} bytes, over a reply's {limit}"
             )
-        pages = _pages([m.canonical for m in session.derive_messages()], limit - head - 64)
+        # A message costs its bytes, a comma, and its seq in `seqs` (at most 20 digits and a comma).
+        pages = _pages([m.canonical for m in derived], limit - head - 64, per_item=22)
         if page >= len(pages):
             raise InvalidBoundary(f"page {page} does not exist; the derivation has {len(pages)} pages")
         if page + 1 < len(pages):
             reply["next_page"] = page + 1
+        first = sum(len(p) for p in pages[:page])
+        reply["seqs"] = [m.seq for m in derived[first : first + len(pages[page])]]
         return _with_messages(reply, b"[" + b",".join(pages[page]) + b"]")
 
     async def plan_replace(self, body: dict[str, Any]) -> dict[str, Any]:
         session_id = _str(body, "session")
         event = body.get("event")
         if not isinstance(event, dict):
-            raise InvalidEvent("plan_replace: `event` must be an event object")
+            raise InvalidRequest("plan_replace: `event` must be an event object")
         seq = event.get("seq")
         # A dry run right after a flush must see that flush: wait for the seq before the event's own.
         min_seq = seq - 1 if type(seq) is int and seq > 0 else None
@@ -223,22 +233,24 @@ def _with_messages(reply: dict[str, Any], messages: bytes) -> bytes:
     return head[:-1] + b',"messages":' + messages + b"}"
 
 
-def _pages(items: list[bytes], limit: int) -> list[list[bytes]]:
+def _pages(items: list[bytes], limit: int, *, per_item: int = 0) -> list[list[bytes]]:
+    """`items` cut into pages of at most `limit` bytes, each item costing its length, a comma and `per_item`."""
     pages: list[list[bytes]] = [[]]
     size = 0
     for item in items:
-        if pages[-1] and size + len(item) + 1 > limit:
+        cost = len(item) + 1 + per_item
+        if pages[-1] and size + cost > limit:
             pages.append([])
             size = 0
         pages[-1].append(item)
-        size += len(item) + 1
+        size += cost
     return pages
 
 
 def _str(body: dict[str, Any], key: str) -> str:
     value = body.get(key)
     if not isinstance(value, str):
-        raise InvalidEvent(f"request field `{key}` must be a string")
+        raise InvalidRequest(f"request field `{key}` must be a string")
     return value
 
 
@@ -247,7 +259,7 @@ def _opt_int(body: dict[str, Any], key: str) -> int | None:
     if value is None:
         return None
     if type(value) is not int or value < 0:
-        raise InvalidEvent(f"request field `{key}` must be a non-negative integer, got {value!r}")
+        raise InvalidRequest(f"request field `{key}` must be a non-negative integer, got {value!r}")
     return value
 
 

@@ -36,6 +36,7 @@ import msgspec
 import nats.errors
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -49,7 +50,6 @@ from sessionlog.wire import (
     Divergence,
     InvalidRequest,
     WireCache,
-    checked_body,
     compare_request,
     parse_request,
     to_wire,
@@ -75,6 +75,7 @@ H_SESSION_ID: Final = "x-session-id"
 H_SESSION_SEQ: Final = "x-session-seq"
 H_RESPONSE_REQUEST_ID: Final = "x-sessionlog-request-id"
 H_RESPONSE_SEQ: Final = "x-sessionlog-session-seq"
+H_SHOULD_RETRY: Final = "x-should-retry"
 
 T = TypeVar("T")
 
@@ -93,6 +94,8 @@ STATUS_BY_CODE: Final[Mapping[str, int]] = {
     "INVALID_SESSION_ID": 400,
     "INVALID_REQUEST": 400,
     "UNAUTHORIZED": 401,
+    "NOT_FOUND": 404,
+    "METHOD_NOT_ALLOWED": 405,
     "UNSUPPORTED_CONTENT": 422,
     "LOG_UNAVAILABLE": 503,
     "UPSTREAM_TIMEOUT": 504,
@@ -127,6 +130,12 @@ def _status_of(err: SessionLogError) -> int:
     if isinstance(err, UpstreamError):
         return err.status
     return STATUS_BY_CODE.get(err.code, 500)
+
+
+def _no_retry(status: int) -> dict[str, str]:
+    """A refusal (4xx) is final: the same request gets the same verdict. The official SDKs retry 409 (and 408, 429)
+    twice unless the server says `x-should-retry: false`, which tripled every refusal and its bounded wait."""
+    return {H_SHOULD_RETRY: "false"} if 400 <= status < 500 else {}
 
 
 def _sse_error(err: SessionLogError, request_id: str) -> bytes:
@@ -292,7 +301,6 @@ class Gateway:
                 )
             if mode == "derive":
                 parsed = {**to_wire(derivation.messages, header), **extra}
-                body = msgspec.json.encode(parsed)
             with gc_paused():
                 divergence = compare_request(parsed, derivation.messages, header, cache=self._cache(call.session_id))
         except SessionLogError as err:
@@ -306,11 +314,10 @@ class Gateway:
         upstream = self._route(header.header.config.provider)
         call.route = upstream.name
         call.stream = parsed.get("stream") is True
-        if mode != "derive":
-            # Forward what was checked, not the caller's bytes: a key given twice (which the check reads last-wins
-            # and a provider's parser may read first-wins) must not carry anything past the invariant.
-            body = checked_body(parsed, self._cache(call.session_id).expected_messages(derivation.messages, header))
-        forwarded = upstream.forward_body(parsed, body)
+        # Forward what was checked, never the caller's bytes: a key given twice (which the check reads last-wins and
+        # a provider's parser may read first-wins) must not carry anything past the invariant, model map or not.
+        checked = self._cache(call.session_id).expected_messages(derivation.messages, header)
+        forwarded = upstream.forward_body(parsed, checked)
         return await self._forward(request, call, upstream, forwarded)
 
     def _authorize(self, request: Request) -> None:
@@ -342,10 +349,11 @@ class Gateway:
         self.metrics.requests.labels(call.mode, "refused").inc()
         self.metrics.refusals.labels(err.code).inc()
         self._log_call(call, "refused", code=err.code, path=path, status=_status_of(err))
+        status = _status_of(err)
         return JSONResponse(
             error_body(err, request_id=call.request_id, path=path),
-            status_code=_status_of(err),
-            headers={H_RESPONSE_REQUEST_ID: call.request_id},
+            status_code=status,
+            headers={H_RESPONSE_REQUEST_ID: call.request_id, **_no_retry(status)},
         )
 
     # ---------------------------------------------------------------------------------- forwarding
@@ -425,7 +433,9 @@ class Gateway:
         )
         body = error_body(err, request_id=call.request_id)
         body["error"]["upstream_status"] = status
-        return JSONResponse(body, status_code=err.status)
+        # The provider's own retry advice (a 429's `retry-after`) is the client's to follow, not the gateway's.
+        advice = {k: v for k in ("retry-after", H_SHOULD_RETRY) if (v := response.headers.get(k)) is not None}
+        return JSONResponse(body, status_code=err.status, headers={H_RESPONSE_REQUEST_ID: call.request_id, **advice})
 
     async def _relay(
         self,
@@ -558,6 +568,36 @@ async def _unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     raise _ClientGone
 
 
+class RouteNotFound(SessionLogError):
+    """No gateway endpoint at that path."""
+
+    code = "NOT_FOUND"
+
+
+class MethodNotAllowed(SessionLogError):
+    """The path exists but not for that HTTP method."""
+
+    code = "METHOD_NOT_ALLOWED"
+
+
+async def _route_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 (plain text) in the gateway's JSON error shape, so an SDK reads a code and message."""
+    assert isinstance(exc, HTTPException)
+    where = f"{request.method} {request.url.path}"
+    err: SessionLogError
+    if exc.status_code == 405:
+        err = MethodNotAllowed(f"{where}: method not allowed on this gateway endpoint")
+    elif exc.status_code == 404:
+        err = RouteNotFound(f"{where}: no such gateway endpoint (it serves POST /v1/chat/completions and "
+                            "POST /v1/sessions/{id}/completions)")  # fmt: skip
+    else:
+        err = SessionLogError(f"{where}: {exc.detail}")
+    body = error_body(err, request_id=_request_id())
+    body["error"]["type"] = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    headers = {**(exc.headers or {}), **_no_retry(exc.status_code)}
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
+
+
 def build_app(
     settings: Settings,
     config: GatewayConfig | None = None,
@@ -576,6 +616,7 @@ def build_app(
         config = config.with_(routes={**config.routes, **routes})
     gateway = Gateway(settings, config, log=log, source=source, metrics=metrics)
     app = Starlette(
+        exception_handlers={HTTPException: _route_error},
         routes=[
             Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
             Route("/chat/completions", gateway.chat_completions, methods=["POST"]),

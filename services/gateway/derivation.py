@@ -172,6 +172,8 @@ class _DeriveReply(msgspec.Struct):
     next_page: Any = None
     open_step: Any = msgspec.UNSET
     seqs: list[int] | None = None
+    header_seq: int | None = None  # the folded header's seq when `header` is the bare header object
+    header_reason: str | None = None
     messages_from: int | None = None  # set when `messages` are only those after the first `known_count`
 
 
@@ -181,9 +183,11 @@ _header_decoder: Final = msgspec.json.Decoder(RequestHeader)
 _header_reply_decoder: Final = msgspec.json.Decoder(_HeaderReply)
 
 
-def _folded_header(raw: bytes | None) -> FoldedHeader | None:
-    """The reply's header: either `{seq, reason, header: {...}}` or the header object `{config, ...}` itself."""
-    if raw is None or raw.strip() == b"null":
+def _folded_header(reply: _DeriveReply) -> FoldedHeader | None:
+    """The reply's header: either `{seq, reason, header: {...}}` or the header object `{config, ...}` itself, whose
+    seq and reason are then the reply's `header_seq` and `header_reason` (-1, "initial" when it has none)."""
+    raw = bytes(reply.header)
+    if raw.strip() == b"null":
         return None
     probe = msgspec.json.decode(raw)
     if isinstance(probe, dict) and "config" not in probe and "header" in probe:
@@ -192,7 +196,8 @@ def _folded_header(raw: bytes | None) -> FoldedHeader | None:
             return None
         raw, seq, reason = bytes(wrapped.header), wrapped.seq, wrapped.reason
     else:
-        seq, reason = -1, "initial"
+        seq = reply.header_seq if reply.header_seq is not None else -1
+        reason = reply.header_reason or "initial"
     return FoldedHeader(seq=seq, reason=reason, header=_header_decoder.decode(raw), raw=raw)
 
 
@@ -256,7 +261,7 @@ class ContextDeriverClient:
     The reply must say whether a step is open (`open_step`: `{turn, step}` or null), which the invariant needs;
     a reply without it is answered from the stream instead (and the stream is used for a minute after). `seqs`,
     when present, gives each message's seq. The reply's `header` may be the folded header object itself (as
-    `FoldedHeader.to_builtins()` gives it) or `{seq, reason, header}`.
+    `FoldedHeader.to_builtins()` gives it, with `header_seq` and `header_reason` beside it) or `{seq, reason, header}`.
     """
 
     def __init__(
@@ -357,7 +362,7 @@ class ContextDeriverClient:
             session_id=session_id,
             seq=first.seq,
             messages=known.view(),
-            header=_folded_header(bytes(first.header)),
+            header=_folded_header(first),
             open_step=_open_step(first.open_step),
             generation=first.generation,
             source="context-deriver",

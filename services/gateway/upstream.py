@@ -16,6 +16,7 @@ import httpx
 import msgspec
 
 from sessionlog.errors import SessionLogError
+from sessionlog.wire import checked_body
 
 
 class UpstreamError(SessionLogError):
@@ -116,13 +117,15 @@ class Upstream:
     def name(self) -> str:
         return self.config.name
 
-    def forward_body(self, request: dict[str, Any], body: bytes) -> bytes:
-        """The bytes to send: the caller's own when the model needs no rewrite, else the request re-encoded."""
+    def forward_body(self, request: Mapping[str, Any], messages: bytes) -> bytes:
+        """The bytes to send for a request that passed the check: its fields as compared (the model mapped to the
+        provider's name) and `messages` as the checked canonical bytes. Never the request's own `messages`, which a
+        lazy parse keeps as the caller's bytes, duplicate keys and all."""
         model = request.get("model")
         mapped = self.config.model_map.get(model) if isinstance(model, str) else None
-        if mapped is None or mapped == model:
-            return body
-        return msgspec.json.encode({**request, "model": mapped})
+        if mapped is not None and mapped != model:
+            request = {**request, "model": mapped}
+        return checked_body(request, messages)
 
     async def open(self, body: bytes) -> httpx.Response:
         """Send the request; the response's body is left unread. Raises `UPSTREAM_TIMEOUT` / `UPSTREAM_UNREACHABLE`."""

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Final
 
 import msgspec
 
-from sessionlog.errors import Conflict, InvalidEvent, SessionNotFound
+from sessionlog.errors import Conflict, InvalidRequest, SessionNotFound
 from sessionlog.ids import check_session_id
 from sessionlog.leases import LeaseHeld, LeaseLost, Leases
 from sessionlog.log import RecordPublisher, SessionLog
@@ -84,7 +84,7 @@ class RepairerService(ProjectionService[RepairState]):
     async def _close(self, body: dict[str, Any]) -> dict[str, Any]:
         session_id = body.get("session")
         if not isinstance(session_id, str):
-            raise InvalidEvent("repair.close: `session` must be a string")
+            raise InvalidRequest("repair.close: `session` must be a string")
         closers = await self.close(session_id)
         return {"session": session_id, "closers": [msgspec.json.decode(c) for c in closers]}
 

@@ -24,7 +24,7 @@ from sessionlog.audit import (
     audit_session,
     raw_subject,
 )
-from sessionlog.errors import InvalidEvent, LogUnavailable, SessionNotFound
+from sessionlog.errors import InvalidRequest, LogUnavailable, SessionNotFound
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
 from sessionlog.provision import RAW_ALL
@@ -294,13 +294,13 @@ class TokenAuditorService(ProjectionService[AuditState]):
     async def _report(self, body: dict[str, Any]) -> AuditReport:
         session_id = body.get("session")
         if not isinstance(session_id, str):
-            raise InvalidEvent("audit.report: `session` must be a string")
+            raise InvalidRequest("audit.report: `session` must be a string")
         min_seq = body.get("min_seq")
         if min_seq is not None and (type(min_seq) is not int or min_seq < 0):
-            raise InvalidEvent(f"audit.report: `min_seq` must be a non-negative integer, got {min_seq!r}")
+            raise InvalidRequest(f"audit.report: `min_seq` must be a non-negative integer, got {min_seq!r}")
         timeout_ms = body.get("timeout_ms")
         if timeout_ms is not None and (type(timeout_ms) is not int or timeout_ms < 0):
-            raise InvalidEvent(f"audit.report: `timeout_ms` must be a non-negative integer, got {timeout_ms!r}")
+            raise InvalidRequest(f"audit.report: `timeout_ms` must be a non-negative integer, got {timeout_ms!r}")
         return await self.report(session_id, min_seq=min_seq, timeout=timeout_ms / 1000 if timeout_ms else None)
 
 

@@ -180,6 +180,13 @@ class UnsupportedContent(SessionLogError):
     code = "UNSUPPORTED_CONTENT"
 
 
+class InvalidRequest(SessionLogError):
+    """A request to a service that is not one at all: a body that is not JSON or not an object, a field of the
+    wrong type, or (at the gateway) a `messages` that is not an array of messages. Events have `INVALID_EVENT`."""
+
+    code = "INVALID_REQUEST"
+
+
 class LogUnavailable(SessionLogError):
     """The log could not acknowledge a write in time (for example a cluster without quorum); nothing was
     reported written that was not acknowledged."""

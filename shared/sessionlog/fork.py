@@ -26,14 +26,15 @@ class ForkPlan(msgspec.Struct, frozen=True):
     boundary: int | None
 
     def child_header(self, *, child_id: str, parent: dict[str, Any], created_at: int) -> dict[str, Any]:
-        """The child's session header: lineage from the parent (`id`, `cwd`, `delegationDepth`)."""
+        """The child's session header: lineage from the parent (`id`, `cwd`) and the seed length, as dsh's own fork
+        writes it. No `origin` (dsh reads only "subagent" there and refuses the file otherwise) and
+        `delegationDepth` 0: a fork is not a delegation, whatever the parent's depth (2026-12-03)."""
         header: dict[str, Any] = {"type": "session", "version": 0, "id": child_id, "createdAt": created_at}
         if parent.get("cwd") is not None:
             header["cwd"] = parent["cwd"]
         header["parentSession"] = parent["id"]
         header["seedLength"] = self.seed_length
-        header["origin"] = "fork"
-        header["delegationDepth"] = parent.get("delegationDepth", 0)
+        header["delegationDepth"] = 0
         return header
 
 

@@ -39,6 +39,7 @@ from .connection import connect as nats_connect
 from .errors import (
     Conflict,
     EventTooLarge,
+    InvalidEvent,
     LogUnavailable,
     OpenTurn,
     SessionAlreadyExists,
@@ -215,7 +216,10 @@ class SessionLog:
         delegation_depth: int = 0,
         created_at: int | None = None,
     ) -> SessionWriter:
-        """A new, empty session, visible at once, held by the returned writer."""
+        """A new, empty session, visible at once, held by the returned writer. `origin` is absent or "subagent",
+        the only value dsh reads (any other makes dsh refuse the whole file)."""
+        if origin is not None and origin != "subagent":
+            raise InvalidEvent(f'session header origin must be "subagent" or absent, got {origin!r}')
         if await self._require_absent(session_id) is not None:
             raise SessionAlreadyExists(f"session {session_id} has records from an unfinished import or fork")
         header: dict[str, Any] = {

@@ -17,7 +17,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.micro.request import Request
 
-from .errors import InvalidEvent, LogUnavailable, SessionLogError, error_from_code
+from .errors import InvalidRequest, LogUnavailable, SessionLogError, error_from_code
 from .metrics import REQUEST_SECONDS, REQUESTS
 
 log = logging.getLogger("sessionlog.micro")
@@ -46,9 +46,9 @@ def spawning(
             try:
                 body = json.loads(req.data or b"{}")
             except ValueError as exc:
-                raise InvalidEvent(f"{endpoint}: request body is not JSON: {exc}") from None
+                raise InvalidRequest(f"{endpoint}: request body is not JSON: {exc}") from None
             if not isinstance(body, dict):
-                raise InvalidEvent(f"{endpoint}: request body must be a JSON object")
+                raise InvalidRequest(f"{endpoint}: request body must be a JSON object")
             reply = await handler(body)
             await req.respond(reply if isinstance(reply, bytes) else msgspec.json.encode(reply))
         except SessionLogError as err:

@@ -598,8 +598,13 @@ class Session:
             if result_key is not None:
                 self._result_node[result_key] = seq
             self._derived_view = None
-            if plan is None and kind == "assistant/message" and self.open_step is not None:
-                self.open_step.announced.extend(b for b in event.data.message.content if isinstance(b, ToolCallBlock))
+            if kind == "assistant/message" and self.open_step is not None:
+                # A replacement's calls are announced too (dsh's closers register them); a call announced again
+                # keeps its first place, so it is closed once.
+                step = self.open_step
+                for block in event.data.message.content:
+                    if isinstance(block, ToolCallBlock) and all(c.id != block.id for c in step.announced):
+                        step.announced.append(block)
             if plan is None and result_key is not None and self.open_step is not None:
                 self.open_step.results.add(result_key[2])
         elif kind == "assistant/chunk":

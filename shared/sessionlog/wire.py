@@ -55,7 +55,7 @@ from typing import Any, Final
 
 import msgspec
 
-from .errors import DerivationDiverges, HeaderDiverges, SessionLogError, UnsupportedContent
+from .errors import DerivationDiverges, HeaderDiverges, InvalidRequest, SessionLogError, UnsupportedContent
 from .events import ImageBlock, ReasoningBlock, TextBlock, ToolCallBlock, ToolResultBlock
 from .session import DerivedMessage, DerivedMessages, FoldedHeader
 
@@ -68,12 +68,6 @@ _top_decoder: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ARRAY_GOES_ON: Final = re.compile(rb"[ \t\n\r]*([,\]])")
 _CAMEL_RE: Final = re.compile(r"(?<=[a-z0-9])([A-Z])")
 _PLAIN_ROLES: Final = frozenset({"user", "system", "developer"})
-
-
-class InvalidRequest(SessionLogError):
-    """A request body that is not a chat-completions request at all (not a JSON object, or not JSON)."""
-
-    code = "INVALID_REQUEST"
 
 
 def canonical(value: Any) -> bytes:
@@ -426,7 +420,7 @@ def compare_request(
 
     `request["messages"]` may be plain data or, from `parse_request(..., lazy=True)`, the bytes it arrived as.
     Raises `UNSUPPORTED_CONTENT` when the derivation holds content the conversion cannot carry, and
-    `INVALID_REQUEST` when lazily parsed messages turn out not to be JSON.
+    `INVALID_REQUEST` when `messages` is missing, not JSON, or not an array of objects with a `role`.
     """
     cache = cache if cache is not None else WireCache()
     expected_messages = cache.expected_messages(messages, header)
@@ -440,13 +434,7 @@ def compare_request(
             actual_messages = msgspec.json.decode(actual_messages)  # only to name the difference
         except msgspec.DecodeError as exc:
             raise InvalidRequest(f"the request body is not JSON: {exc}") from None
-    if actual_messages is _MISSING or not isinstance(actual_messages, list):
-        return Divergence(
-            DerivationDiverges.code,
-            "$.messages",
-            f"request {PHRASE} at $.messages: expected an array of {len(msgspec.json.decode(expected_messages))} "
-            f"messages, got {_show(actual_messages)}",
-        )
+    _check_messages_shape(actual_messages)
     if _encoder.encode(actual_messages) != expected_messages:
         expected_list = msgspec.json.decode(expected_messages)
         found = first_difference(expected_list, actual_messages, "$.messages")
@@ -466,6 +454,18 @@ def compare_request(
             seq,
         )
     return _compare_fields(request, header, cache)
+
+
+def _check_messages_shape(messages: Any) -> None:
+    """Refuse (`INVALID_REQUEST`) a `messages` that is no chat-completions messages array at all: that is a bad
+    request, which no log could derive, not a divergence from this log."""
+    if messages is _MISSING:
+        raise InvalidRequest("the request has no `messages` ($.messages): a chat-completions request needs an array")
+    if not isinstance(messages, list):
+        raise InvalidRequest(f"$.messages must be an array of messages, got {_show(messages)}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(f"$.messages[{i}] must be an object with a string `role`, got {_show(message)}")
 
 
 def _compare_fields(request: Mapping[str, Any], header: FoldedHeader, cache: WireCache) -> Divergence | None:

@@ -31,6 +31,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -39,6 +40,7 @@ from typing import Any
 import httpx
 
 from sessionlog.embedded import Cluster, EmbeddedServer, free_port
+from sessionlog.errors import SessionLogError
 from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.provision import wait_until_served
 from sessionlog.record import partition_filter
@@ -86,27 +88,32 @@ FLUSH_TYPES = (b'"step/start"', b'"tool/call"', b'"turn/end"')
 # ---------------------------------------------------------------------------------------------- writers
 
 
-async def _populate(url: str, sessions: list[str], settings_extra: dict[str, Any]) -> float:
+async def _populate(url: str, sessions: list[str], settings_extra: dict[str, Any]) -> tuple[float, list[str]]:
+    """Each session created with one closed turn; the sessions that failed (with why) are returned, not raised."""
     events = first_turn()
     log = await SessionLog.connect(Settings(_env_file=None, nats_url=url, **settings_extra))
     start = time.perf_counter()
     queue = list(sessions)
+    failed: list[str] = []
 
     async def worker() -> None:
         while queue:
             sid = queue.pop()
-            writer = await log.create(sid)
-            for raw in events:
-                await writer.append(raw)
-            await writer.close()
+            try:
+                writer = await log.create(sid)
+                for raw in events:
+                    await writer.append(raw)
+                await writer.close()
+            except SessionLogError as err:
+                failed.append(f"{sid}: {err.code}: {err}")
 
     await asyncio.gather(*(worker() for _ in range(50)))
     elapsed = time.perf_counter() - start
     await log.close()
-    return elapsed
+    return elapsed, failed
 
 
-def populate_process(url: str, sessions: list[str], settings_extra: dict[str, Any]) -> float:
+def populate_process(url: str, sessions: list[str], settings_extra: dict[str, Any]) -> tuple[float, list[str]]:
     return asyncio.run(_populate(url, sessions, settings_extra))
 
 
@@ -131,16 +138,22 @@ async def _live(url: str, sessions: list[str], rate: float, until: float, settin
     emitted = 0
     began = time.perf_counter()
     turn = 0
+    failed: set[int] = set()  # sessions whose writer failed: counted in the errors, not written further
     while time.time() < until:
         due = int(rate * (time.perf_counter() - began)) - emitted
         for _ in range(max(0, due)):
             i = turn % len(writers)
             turn += 1
-            if cursor[i] >= len(events):
+            if cursor[i] >= len(events) or i in failed:
                 continue
             raw = events[cursor[i]]
             cursor[i] += 1
-            await writers[i].append(raw)
+            try:
+                await writers[i].append(raw)
+            except SessionLogError as err:  # a failed flush fails the writer: the next append raises it
+                errors.append(f"{err.code}: {err}")
+                failed.add(i)
+                continue
             emitted += 1
             if any(kind in raw[:60] for kind in FLUSH_TYPES):
                 task = asyncio.create_task(flush(writers[i]))
@@ -152,7 +165,13 @@ async def _live(url: str, sessions: list[str], rate: float, until: float, settin
         with contextlib.suppress(Exception):
             await asyncio.wait_for(writer.close(), 10)
     await log.close()
-    return {"emitted": emitted, "seconds": time.perf_counter() - began, "flushes": flushes, "errors": errors}
+    return {
+        "emitted": emitted,
+        "seconds": time.perf_counter() - began,
+        "flushes": flushes,
+        "errors": errors,
+        "failed_writers": len(failed),
+    }
 
 
 def live_process(url: str, sessions: list[str], rate: float, until: float, settings_extra: dict[str, Any]) -> dict:
@@ -272,11 +291,13 @@ async def fleet(url: str, workdir: Path, replicas_r: int) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         with ProcessPoolExecutor(WRITER_PROCESSES, mp_context=ctx) as pool:
             started = time.perf_counter()
-            await asyncio.gather(
+            populated = await asyncio.gather(
                 *(loop.run_in_executor(pool, populate_process, url, s, settings_extra) for s in slices)
             )
             populate_s = time.perf_counter() - started
-            catch_up_s = await wait_caught_up(log, 300)
+        populate_failed = [f for _, failures in populated for f in failures]
+        failed_ids = {f.split(":", 1)[0] for f in populate_failed}
+        catch_up_s = await wait_caught_up(log, 300)
         memory = []
         for replica in replicas:
             health = await replica.health(client)
@@ -286,7 +307,7 @@ async def fleet(url: str, workdir: Path, replicas_r: int) -> dict[str, Any]:
                 memory.append({"projection": replica.projection, "sessions": held, "rss_mib": rss,
                                "mib_per_1000_sessions": (rss - replica.ready_rss) / held * 1000})  # fmt: skip
         # live phase
-        active = ids[:ACTIVE]
+        active = [sid for sid in ids if sid not in failed_ids][:ACTIVE]
         live_slices = [active[k::WRITER_PROCESSES] for k in range(WRITER_PROCESSES)]
         total_s = BEFORE_S + ADD_AFTER_S + AFTER_S
         samples: list[dict[str, Any]] = []
@@ -328,11 +349,14 @@ async def fleet(url: str, workdir: Path, replicas_r: int) -> dict[str, Any]:
             "live_reached_events_per_s": sum(p["emitted"] for p in live) / max(p["seconds"] for p in live),
             "live_flush": _flush_stats([x for p in live for x in p["flushes"]]),
             "live_errors": sum(len(p["errors"]) for p in live),
+            "live_failed_writers": sum(p["failed_writers"] for p in live),
             "first_errors": [e for p in live for e in p["errors"]][:3],
             "lease_ttl_s": LEASE_TTL_S,
             "split_s": split_s,
             "populate_s": populate_s,
             "populate_sessions_per_s": SESSIONS / populate_s,
+            "populate_failed": len(populate_failed),
+            "populate_first_failures": populate_failed[:3],
             "catch_up_after_populate_s": catch_up_s,
             "memory": memory,
             "mib_per_1000_sessions": {
@@ -421,11 +445,15 @@ def main() -> dict[str, Any]:
         server = EmbeddedServer(folder / "single").start()
         try:
             out["single"] = _run(server.url, folder, 1)
+        except Exception:  # the cluster still runs; the document says what failed
+            out["single"] = {"error": traceback.format_exc()}
         finally:
             server.kill()
         cluster = Cluster(folder / "cluster", size=3, name=f"b{uuid.uuid4().hex[:6]}").start()
         try:
             out["cluster"] = _run(cluster.url, folder, 3)
+        except Exception:
+            out["cluster"] = {"error": traceback.format_exc()}
         finally:
             for node in cluster.servers:
                 node.kill()

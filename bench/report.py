@@ -69,7 +69,7 @@ def goals(r: dict[str, Any]) -> list[dict[str, Any]]:
                          ", ".join(f"{k}: {x:.2f}" for k, x in diffs.items() if x is not None)))  # fmt: skip
     for where in ("single", "cluster"):
         fleet = get(r, f"bench_fleet.{where}")
-        if not fleet:
+        if not fleet or "error" in fleet:
             continue
         ttl = fleet["lease_ttl_s"]
         takeovers = {p: x["takeover_s"] for p, x in fleet["per_projection"].items()}
@@ -313,7 +313,7 @@ def _rebuild(plt: Any, r: dict[str, Any]) -> tuple[Any, str]:
 
 def _fleet_lag(plt: Any, r: dict[str, Any]) -> tuple[Any, str]:
     fleet = r["bench_fleet"]
-    wheres = [w for w in ("single", "cluster") if w in fleet]
+    wheres = [w for w in ("single", "cluster") if "timeline" in fleet.get(w, {})]
     fig, axes = plt.subplots(len(wheres), 1, figsize=(9, 3.0 * len(wheres)), squeeze=False)
     for ax, where in zip([a[0] for a in axes], wheres, strict=True):
         f = fleet[where]

@@ -72,18 +72,15 @@ def goals(r: dict[str, Any]) -> list[dict[str, Any]]:
         if not fleet or "error" in fleet:
             continue
         ttl = fleet["lease_ttl_s"]
-        takeovers = {p: x["takeover_s"] for p, x in fleet["per_projection"].items()}
-        known = [x for x in takeovers.values() if x is not None]
-        v = max(known) if len(known) == len(takeovers) else None
-        rows.append(_row(f"takeover of a killed replica's partitions ({where})", f"<= {2 * ttl:g} s (2 TTLs)", v,
-                         _judge(v, lambda x, t=ttl: x <= 2 * t), "bench_fleet",
-                         _named(takeovers)))  # fmt: skip
-        recovered = {p: x["recovered_s"] for p, x in fleet["per_projection"].items()}
-        known = [x for x in recovered.values() if x is not None]
-        v = max(known) if len(known) == len(recovered) else None
-        rows.append(_row(f"lag back under its before-kill p99, from the kill ({where})", "<= 10 s", v,
-                         _judge(v, lambda x: x <= 10), "bench_fleet",
-                         _named(recovered)))  # fmt: skip
+        per = fleet["per_projection"]
+        takeovers = {p: x["takeover_s"] for p, x in per.items()}
+        v, ok, note = _worst(takeovers, lambda x, t=ttl: x <= 2 * t, per)
+        rows.append(_row(f"takeover of a killed replica's partitions ({where})", f"<= {2 * ttl:g} s (2 TTLs)", v, ok,
+                         "bench_fleet", note))  # fmt: skip
+        recovered = {p: x["recovered_after_takeover_s"] for p, x in per.items()}
+        v, ok, note = _worst(recovered, lambda x: x <= 10, per)
+        rows.append(_row(f"lag back under its before-kill p99, after the takeover ({where})", "<= 10 s", v, ok,
+                         "bench_fleet", note))  # fmt: skip
     # figures without a goal, beside the goals because they are the comparison a reader makes
     info = [
         ("agent session vs SQLite committed per flush point", "bench_stores.ratios.agent_over_sqlite_batched"),
@@ -111,6 +108,16 @@ def goals(r: dict[str, Any]) -> list[dict[str, Any]]:
         for p, mib in (get(r, f"bench_fleet.{where}.mib_per_1000_sessions") or {}).items():
             rows.append(_row(f"{p} MiB per 1,000 resident sessions ({where})", "", mib, None, "bench_fleet"))
     return rows
+
+
+def _worst(values: dict[str, float | None], test: Any, per: dict[str, Any]) -> tuple[float, bool, str]:
+    """The worst projection's figure; one never seen within the run counts as the time watched, and not met."""
+    unseen = [p for p, x in values.items() if x is None]
+    if unseen:
+        watched = min(per[p].get("watched_after_kill_s") or 0.0 for p in unseen)
+        return watched, False, f"not seen within the {watched:.1f} s watched after the kill: {', '.join(unseen)}"
+    worst = max(x for x in values.values() if x is not None)
+    return worst, bool(test(worst)), _named(values)
 
 
 def _named(values: dict[str, float | None]) -> str:

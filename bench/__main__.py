@@ -23,6 +23,7 @@ BENCHMARKS = [
     "bench_log",
     "bench_gateway",
     "bench_ui_audit",
+    "bench_ui",
     "bench_projections",
     "bench_fleet",
 ]

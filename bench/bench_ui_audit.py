@@ -28,11 +28,13 @@ import httpx
 import msgspec
 
 from services.token_auditor.service import AuditState, TokenAuditorService
-from services.ui_replayer.page import render_transcript_page
+from services.ui_replayer.page import SessionContext, render_transcript_page
 from services.ui_replayer.service import UIReplayerService
+from services.ui_replayer.views import requests_of
+from sessionlog.audit import audit_session
 from sessionlog.embedded import EmbeddedServer
 from sessionlog.events import decode_event
-from sessionlog.jsonl import parse_jsonl
+from sessionlog.jsonl import decode_header, parse_jsonl
 from sessionlog.log import SessionLog
 from sessionlog.session import Session
 from sessionlog.settings import Settings
@@ -75,8 +77,22 @@ def pure_render(events: list[bytes]) -> dict[str, float]:
     session = Session(events)
     build_s = _best(lambda: build_transcript(session, HEADER), 5)
     transcript = build_transcript(session, HEADER)
-    html_s = _best(lambda: render_transcript_page(transcript), 5)
-    html = render_transcript_page(transcript)
+    context = SessionContext(
+        session_id="bench",
+        title=transcript.title,
+        header=decode_header(HEADER),
+        events=len(session),
+        open_turn=None,
+        lease_holder=None,
+        last_activity=None,
+        children=[],
+        ancestors=[],
+        requests=requests_of(audit_session(session)),
+        compactions=[],
+        tab="transcript",
+    )
+    html_s = _best(lambda: render_transcript_page(transcript, context), 5)
+    html = render_transcript_page(transcript, context)
     return {
         "events": len(session),
         "entries": len(transcript.entries),

@@ -848,6 +848,10 @@ async def test_the_ui_replayer_serves_transcripts_and_live_tails_under_its_own_u
         assert listing.status_code == 200 and session_id in listing.text
         transcript = await http.get(f"/api/sessions/{session_id}/transcript", timeout=5)
         assert transcript.status_code == 200 and "answer 1" in transcript.text
+        # every view, the fleet's health (other projections' checkpoints, partition leases) and the raw tee
+        tabs = ("", "/context", "/audit", "/raw")
+        for path in ("/", "/api/health", *(f"/sessions/{session_id}{tab}" for tab in tabs)):
+            assert (await http.get(path, timeout=5)).status_code == 200, path
         async with http.stream("GET", f"/sessions/{session_id}/events", timeout=5) as tail:
             assert tail.status_code == 200
             first = await asyncio.wait_for(anext(tail.aiter_bytes()), WAIT_S)

@@ -194,6 +194,12 @@ def role_permissions(role: str, partitions: int) -> Permissions | None:
             list_sessions(p)
             live_tail(p)
             read_blobs(p)
+            p.publish("the fleet's health: every projection's checkpoints and quarantine entries (keys by an ordered "
+                      "consumer, values by direct get) and the info of its partition consumers, all read only",
+                      f"{API}.DIRECT.GET.KV_{KV_CHECKPOINTS}.>", f"{API}.CONSUMER.CREATE.KV_{KV_CHECKPOINTS}",
+                      f"{API}.CONSUMER.INFO.KV_{KV_CHECKPOINTS}.*", f"$JS.FC.KV_{KV_CHECKPOINTS}.>",
+                      f"{API}.CONSUMER.INFO.{STREAM}.*")  # fmt: skip
+            p.publish("a session's raw exchanges (the raw audit stream, read only)", f"{API}.DIRECT.GET.{RAW_STREAM}")
         if role == "token-auditor":
             micro(p, role)
             list_sessions(p)

@@ -1,19 +1,23 @@
-"""ui-replayer: the transcript as the user saw it, as web pages, JSON and a live tail.
+"""ui-replayer: the operator's web UI. Every view is a projection of the one log, served as pages, JSON and live
+updates.
 
-It keeps, per session, the validated log and its transcript (`sessionlog.transcript`: append-origin messages,
-turn outcomes, streamed text, forks, compaction markers) through the shared projection runner, and serves
-(Starlette on uvicorn, `SESSIONLOG_UI_HOST`:`SESSIONLOG_UI_PORT`):
+It keeps, per session, the validated log, its transcript (`sessionlog.transcript`) and its audit
+(`sessionlog.audit.SessionAuditor`: requests, usage, findings) through the shared projection runner, plus an index of
+every session (`fleet.FleetIndex`), and serves (Starlette on uvicorn, `SESSIONLOG_UI_HOST`:`SESSIONLOG_UI_PORT`):
 
-- `/` the sessions, newest first, with search (`?q=`) and open turns flagged; `/api/sessions` the same as JSON;
-- `/sessions/{id}` the transcript page (`?at=SEQ` replays the prefix ending at SEQ);
-- `/sessions/{id}/events?from_seq=N` the live tail as Server-Sent Events: `entry` events (a new or changed entry,
-  JSON, replacing any entry with the same key), `delta` events (text appended to a streaming block) and a `sync`
-  event after the catch-up; every event's `id` is the seq the page has seen everything before, so a reconnect
-  (`Last-Event-ID`) resumes exactly;
-- `/api/sessions/{id}/transcript?from_seq=N&at=SEQ` the transcript as JSON.
+- `/` the fleet: sessions by last activity with state, writer lease holder, tokens, findings, parent, cwd; search
+  (`?q=`), `?state=open|closed|forks|findings`, `?page=N`; the deployment's health beside it; `/events` its live
+  rows (SSE); `/api/fleet`, `/api/sessions` (the rows) and `/api/health` as JSON;
+- `/sessions/{id}` the transcript (`?at=SEQ` replays a prefix, `?before=SEQ` pages back), live over
+  `/sessions/{id}/events` (SSE: `entry`, `delta` and `sync` events whose `id` is the seq seen so far, so a reconnect
+  resumes exactly);
+- `/sessions/{id}/context?at=SEQ` the model's view at a request (`views.context_view`: one `Session.derive_at`),
+  `/sessions/{id}/audit` the ledger with its charts, `/sessions/{id}/raw` the gateway's raw exchanges against the
+  log's derivation; each tab shows the timeline (requests, compactions) and the fork lineage;
+- `/api/sessions/{id}/{transcript,context,audit,raw,requests,lineage}` every view as JSON.
 
-Every page sets a Content-Security-Policy that allows only the app's own script and style; the script builds new
-entries with `textContent`, so a message holding HTML or a script shows as text.
+Every page sets a Content-Security-Policy that allows only the app's own script and style; everything from the log
+is escaped on the server, and the script builds live content with `textContent` only.
 """
 
 from __future__ import annotations

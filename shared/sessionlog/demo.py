@@ -154,8 +154,11 @@ def demo_settings() -> Settings:
 
 
 class Demo:
-    def __init__(self, settings: Settings, console: Console) -> None:
+    def __init__(self, settings: Settings, console: Console, *, up_ui: str | None = None) -> None:
         self.settings = settings
+        # The page to point at is `sessionlog up`'s (the configured port), not the demo's own UI, which may sit on a
+        # free port because `up` holds the configured one, and which stops with the demo.
+        self.up_ui = up_ui or f"http://{settings.ui_host}:{settings.ui_port}"
         self.console = console
         self.checks = Checks()
         self.session_id = f"demo-{uuid.uuid4().hex[:8]}"
@@ -194,8 +197,11 @@ class Demo:
             provider.stop()
             await stack.stop()
         self.console.print(self.checks.table())
-        ui = f"http://{settings.ui_host}:{settings.ui_port}/sessions/{self.session_id}"
-        self.console.print(f"transcript page (while `sessionlog up` runs): {ui}")
+        page = f"{self.up_ui}/sessions/{self.session_id}"
+        host, _, port = self.up_ui.rpartition("//")[2].rpartition(":")
+        running = not _port_free(host, int(port))
+        where = "served by the running `sessionlog up`" if running else "start `sessionlog up` to browse it"
+        self.console.print(f"session page ({where}): {page}", soft_wrap=True)
         return self.checks.passed
 
     async def _session(
@@ -460,7 +466,8 @@ async def _crash_writer_main(session_id: str, gateway_url: str) -> int:
 def run_demo() -> bool:
     console = Console()
     settings = demo_settings()
-    demo = Demo(settings, console)
+    configured = Settings()
+    demo = Demo(settings, console, up_ui=f"http://{configured.ui_host}:{configured.ui_port}")
     console.print(Panel(f"sessionlog demo: session {demo.session_id}", expand=False))
     try:
         return asyncio.run(demo.run())

@@ -12,6 +12,7 @@ Everything handed out is immutable: bytes, tuples and frozen Structs.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Final, overload
 
@@ -250,6 +251,7 @@ class Session:
         self._call_node: dict[PairKey, int] = {}  # pair -> seq of the assistant/message announcing it
         self._result_node: dict[PairKey, int] = {}  # pair -> seq of the latest tool/result carrying it
         self._header_seq: int | None = None
+        self._header_seqs: list[int] = []  # every request/header, for the header in force at any seq
         self._derived: list[DerivedMessage] = []
         self._derived_nodes = 0
         self._derived_generation = 0
@@ -313,6 +315,39 @@ class Session:
         if self._header_seq is None:
             return None
         event = self._events[self._header_seq]
+        data: RequestHeaderData = event.data
+        return FoldedHeader(seq=event.seq, reason=data.reason, header=data.header, raw=_header_bytes(event.raw))
+
+    def derive_at(self, seq: int) -> DerivedMessages:
+        """The derived messages of the prefix ending at `seq` (inclusive), without replaying it: only the surface
+        events up to `seq` are walked (their ops were checked when they were appended), so the cost is one derive,
+        O(surface events), whatever the number of chunks and other events in between."""
+        if seq >= len(self._events) - 1:
+            return self.derive_messages()
+        surface = Surface()
+        for node in self._messages:  # surface events, in seq order
+            if node > seq:
+                break
+            op = _parse_surface_op(self._events[node])
+            if op is None:
+                surface.append(node)
+            else:
+                surface.replace(surface.plan_replace(node, op))
+        messages = self._messages
+        items = [m for n in surface.nodes if (m := messages[n]) is not None]
+        return DerivedMessages(items, len(items))
+
+    @property
+    def request_header_seqs(self) -> tuple[int, ...]:
+        """The seqs of every `request/header` event, in order."""
+        return tuple(self._header_seqs)
+
+    def fold_request_header_at(self, seq: int) -> FoldedHeader | None:
+        """The request/header in force at `seq` (inclusive): the latest one at or before it."""
+        index = bisect.bisect_right(self._header_seqs, seq)
+        if index == 0:
+            return None
+        event = self._events[self._header_seqs[index - 1]]
         data: RequestHeaderData = event.data
         return FoldedHeader(seq=event.seq, reason=data.reason, header=data.header, raw=_header_bytes(event.raw))
 
@@ -384,6 +419,7 @@ class Session:
         other._messages = dict(self._messages)
         other._call_node = dict(self._call_node)
         other._result_node = dict(self._result_node)
+        other._header_seqs = list(self._header_seqs)
         other._derived = list(self._derived)
         other._derived_view = None
         return other
@@ -625,6 +661,7 @@ class Session:
             self.open_step.calls[event.data.call_id] = seq
         elif kind == "request/header":
             self._header_seq = seq
+            self._header_seqs.append(seq)
 
 
 def _derived_message(event: Event) -> DerivedMessage | None:

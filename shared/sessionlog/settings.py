@@ -188,6 +188,12 @@ class Settings(BaseSettings):
     )
     ui_host: str = Field(default="127.0.0.1", description="ui-replayer HTTP bind address.")
     ui_port: int = Field(default=8471, ge=1, le=65535, description="ui-replayer HTTP port.")
+    model_prices: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description='Prices for the UI\'s cost chart, as JSON: model -> `{"input", "output", "cache_read"}` in '
+        "USD per million tokens (`cache_read` defaults to `input`). Empty: the audit shows no cost.",
+        json_schema_extra={"doc_default": "`{}`"},
+    )
     metrics_host: str = Field(
         default="127.0.0.1", description="Bind address of the process's health and Prometheus metrics server."
     )

@@ -1,6 +1,65 @@
 // The ui-replayer's live tail: builds entries with textContent only, mirroring page.render_entry.
 // Never innerHTML with content.
 "use strict";
+// The fleet overview's live rows: builds cells with textContent only, mirroring page.fleet_row.
+(function () {
+  var body = document.body;
+  if (body.dataset.fleet !== "1" || !window.EventSource) { return; }
+  var tbody = document.getElementById("fleet-rows");
+  var status = document.getElementById("live-status");
+  function el(tag, cls, text) {
+    var node = document.createElement(tag);
+    if (cls) { node.className = cls; }
+    if (text !== undefined && text !== null) { node.textContent = String(text); }
+    return node;
+  }
+  function num(v) { return v === null || v === undefined ? el("span", "muted", "\u2014") : document.createTextNode(v.toLocaleString("en-US")); }
+  function when(ms) {
+    if (!ms) { return ""; }
+    return new Date(ms).toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC");
+  }
+  function href(id) { return "/sessions/" + encodeURIComponent(id); }
+  function cell(tr, cls, child) { var td = el("td", cls); if (child) { td.appendChild(child); } tr.appendChild(td); return td; }
+  function row(r) {
+    var tr = el("tr", r.open_turn ? "open" : "closed");
+    tr.dataset.id = r.id;
+    var first = cell(tr, null, null);
+    var link = el("a", "session-link", r.id); link.href = href(r.id); first.appendChild(link);
+    first.appendChild(el("div", "title", r.title || ""));
+    cell(tr, "state", r.open_turn ? el("span", "badge open-turn", "turn " + r.open_turn + " open") : el("span", "badge closed", "closed"));
+    cell(tr, "holder", r.lease_holder ? document.createTextNode(r.lease_holder) : el("span", "muted", "\u2014"));
+    cell(tr, "num events", num(r.events));
+    cell(tr, "when", document.createTextNode(when(r.last_activity || r.created_at)));
+    cell(tr, "num tokens", num(r.tokens));
+    cell(tr, "num findings", r.findings ? el("span", "badge error", r.findings) : num(r.findings));
+    var parent = null;
+    if (r.parent) { parent = el("a", null, r.parent); parent.href = href(r.parent); }
+    cell(tr, "parent", parent);
+    cell(tr, "cwd", document.createTextNode(r.cwd || ""));
+    return tr;
+  }
+  function onRows(msg) {
+    var rows = JSON.parse(msg.data);
+    rows.forEach(function (r) {
+      var old = null;
+      tbody.querySelectorAll(":scope > tr").forEach(function (tr) { if (tr.dataset.id === r.id) { old = tr; } });
+      var fresh = row(r);
+      fresh.classList.add("changed");
+      if (old) { old.replaceWith(fresh); }
+      if (body.dataset.prepend === "1") {
+        tbody.insertBefore(fresh, tbody.firstChild);  // most recent activity first
+        var table = tbody.closest("table");
+        if (table) { table.classList.remove("hidden"); }
+        var empty = document.querySelector("p.empty");
+        if (empty) { empty.remove(); }
+      }
+    });
+  }
+  var source = new EventSource("/events");
+  source.addEventListener("rows", onRows);
+  source.onopen = function () { if (status) { status.className = "live-status on"; } };
+  source.onerror = function () { if (status) { status.className = "live-status off"; } };
+})();
 (function () {
   var body = document.body;
   var sid = body.dataset.session;

@@ -20,7 +20,7 @@ def urls(settings: Settings, stack: Stack | None = None) -> dict[str, str]:
     names = set(stack.handles) if stack is not None else set(available())
     out = {"nats": settings.nats_url or f"nats://127.0.0.1:{settings.embedded_port} (embedded)"}
     if "ui-replayer" in names:
-        out["transcripts"] = f"http://{settings.ui_host}:{settings.ui_port}/"
+        out["ui"] = f"http://{settings.ui_host}:{settings.ui_port}/"
     if "gateway" in names:
         out["gateway"] = f"http://{settings.gateway_host}:{settings.gateway_port}/v1"
     if settings.metrics_port:

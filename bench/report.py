@@ -81,6 +81,12 @@ def goals(r: dict[str, Any]) -> list[dict[str, Any]]:
         v, ok, note = _worst(recovered, lambda x: x <= 10, per)
         rows.append(_row(f"lag back under its before-kill p99, after the takeover ({where})", "<= 10 s", v, ok,
                          "bench_fleet", note))  # fmt: skip
+    for name, path, limit in (
+        ("UI fleet overview, first page (median)", "bench_ui.overview.html_first_page.median_ms", 100.0),
+        ("UI session page of a 100k-event session (median)", "bench_ui.session.transcript_page.median_ms", 200.0),
+    ):
+        v = get(r, path)
+        rows.append(_row(name, f"< {limit:g} ms", v, _judge(v, lambda x, lim=limit: x < lim), "bench_ui"))
     # figures without a goal, beside the goals because they are the comparison a reader makes
     info = [
         ("agent session vs SQLite committed per flush point", "bench_stores.ratios.agent_over_sqlite_batched"),

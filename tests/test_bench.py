@@ -34,6 +34,7 @@ SECTIONS = {
     "bench_log": ["raw_publish.p99_ms", "writer_flush_each.p99_ms", "writer_streaming.events_per_s", "read_100k"],
     "bench_gateway": ["sizes.100.overhead_ms.p99", "sizes.100.proxies.passthrough.ttfb_ms.p99", "sizes.100.decode_ms"],
     "bench_ui_audit": ["render.total_ms", "live_tail.after_flush_ack_ms.p99", "auditor.auditor_over_floor"],
+    "bench_ui": ["overview.html_first_page.median_ms", "session.transcript_page.median_ms"],
     "bench_projections": ["lag", "derive", "rebuild.every_projection"],
     "bench_fleet": [
         "single.per_projection",

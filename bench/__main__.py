@@ -37,6 +37,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=None, help="the JSON document (default bench/results.json)")
     parser.add_argument("--plots", type=Path, default=None, help="folder of the PNG plots (default bench/plots)")
     parser.add_argument("--no-plots", action="store_true", help="write no plots")
+    parser.add_argument("--replot", action="store_true", help="redraw plots and table from --out")
     args = parser.parse_args(argv)
     if args.quick:
         os.environ["BENCH_QUICK"] = "1"  # read by bench.common when the benchmark modules are imported
@@ -49,6 +50,13 @@ def main(argv: list[str]) -> int:
     from .common import machine
     from .report import goals, markdown, plot, print_summary
 
+    if args.replot:  # the same figures drawn again (a plot changed), nothing measured
+        results = json.loads(out.read_text())
+        if plots is not None:
+            plot(results, plots)
+        out.with_suffix(".md").write_text(markdown(results))
+        print_summary(results)
+        return 0
     names = args.names or BENCHMARKS
     results: dict[str, Any] = {"quick": args.quick, "machine_before": machine(), "seconds": {}}
     failed = []

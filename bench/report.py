@@ -295,6 +295,7 @@ def _gateway(plt: Any, r: dict[str, Any]) -> tuple[Any, str]:
             a1.plot(xs, [get(s, f"{path}.{q}") for s in sizes.values()], marker="o", linestyle=style,
                     label=f"{label} {q}")  # fmt: skip
     a1.set_title("Time to first byte over a direct call, ms")
+    a1.set_yscale("symlog", linthresh=1.0)  # LiteLLM's hundreds of ms beside the gateway's few; some p99s are < 0
     a2.plot(xs, [s["decode_ms"] for s in sizes.values()], marker="o", label="one msgspec decode of the request")
     a2.plot(xs, [s["check_only_ms"]["p99"] for s in sizes.values()], marker="o", label="gateway check p99")
     a2.plot(xs, [s["check_next_request_ms"]["p99"] for s in sizes.values()], marker="o", label="next request check p99")

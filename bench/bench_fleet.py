@@ -57,7 +57,7 @@ REPLICAS = scale(4, 2)
 SESSIONS = int(os.environ.get("BENCH_FLEET_SESSIONS", "0")) or scale(10_000, 100)
 ACTIVE = scale(200, 20)
 LIVE_RATE = scale(500, 200)
-WRITER_PROCESSES = 4
+WRITER_PROCESSES = scale(4, 2)
 # Partition leases: a replica refreshes every TTL/3. At 3 s, replicas starved of CPU on this shared 2-core machine
 # (load average 20) missed refreshes and partitions kept moving (each move recreates the durable consumer).
 LEASE_TTL_S = scalef(5.0, 2.0)

@@ -8,6 +8,8 @@ retries within its budget until a new leader answers, and nothing is doubled.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from natsfixtures import new_session_id, start_cluster
-from scaffold import Opened, assert_contiguous, raws
+from scaffold import Opened, assert_contiguous, freeze, raws
 from sessiongen import user_message_data
 
 from sessionlog.embedded import Cluster
@@ -265,3 +267,34 @@ async def test_with_every_node_down_reads_are_log_unavailable_not_a_raw_nats_err
     header = escaped["header"]
     assert isinstance(header, LogUnavailable)
     assert header.message.startswith(f"read the header of session {sid}: "), "the message names the operation"
+
+
+async def test_a_retry_that_meets_its_first_attempt_still_replicating_waits_for_it_and_lands_once(
+    cluster: Cluster, logs: Logs
+) -> None:
+    # Both followers frozen: the leader holds the record's proposal without a quorum. The first attempt times out
+    # (a third of the budget); the retry, with the same message id, is answered "duplicate message id is in
+    # process" (JetStream 10158). That says the first attempt's outcome is still pending, not that the log is
+    # unavailable: the writer must keep asking until the thawed followers commit it, then settle the duplicate.
+    log = await logs.connect(request_timeout_s=9.0, lease_ttl_s=60.0)
+    sid = new_session_id()
+    writer = logs.keep(await log.create(sid))
+    written = await turn(writer, "Before.")
+    await writer.flush()
+    leader = await stream_leader(cluster, log)
+    followers = [s.pid for i, s in enumerate(cluster.servers) if i != leader]
+    assert all(pid is not None for pid in followers)
+    for pid in followers:
+        await freeze(pid)  # type: ignore[arg-type]
+    try:
+        written += await turn(writer, "Proposed while the followers sleep.")
+        flushing = asyncio.create_task(writer.flush())
+        await asyncio.sleep(4.5)  # the first attempt timed out at 3 s; the retry met it in process
+        assert not flushing.done(), flushing.exception() if flushing.done() else None
+    finally:
+        for pid in followers:
+            os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
+    assert await asyncio.wait_for(flushing, 20) == len(written) - 1
+    records = await log.reader.records(sid)
+    assert_contiguous(records)
+    assert [e for r in records for e in r.events] == written  # each event once: the retry was settled, not doubled

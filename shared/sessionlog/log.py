@@ -62,6 +62,9 @@ from .tasks import cancel_and_wait
 log = logging.getLogger("sessionlog.writer")
 
 ERR_WRONG_LAST_SEQUENCE: Final = 10071
+# "duplicate message id is in process": an earlier attempt with this message id is still being stored (on a
+# cluster, replicated); its outcome is pending, not refused.
+ERR_DUPLICATE_IN_PROCESS: Final = 10158
 ERR_STREAM_STORE_FULL: Final = (10047, 10077, 10027)
 
 
@@ -571,7 +574,7 @@ class RecordPublisher:
                     f"stream {self._log.settings.stream} is full and refuses new records ({error.get('description')})",
                     seq=first_seq,
                 )
-            if error.get("code") == 503:
+            if error.get("code") == 503 or code == ERR_DUPLICATE_IN_PROCESS:
                 timed_out = True
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.5)

@@ -11,6 +11,17 @@ the gateway's own metrics saw. `check` is the parse and canonical compare alone 
 `check_next_request` the same for an agent's next, one message longer request, `check_cold_cache` for a session
 the gateway holds no cache for. Goals: overhead p99 under 2 ms at 100 messages; check at most 3x one decode of the
 body at every size.
+
+Record mode (`record`, issue 13; `BENCH_GATEWAY_RECORD=0` leaves it out): an OpenAI-shaped client that knows
+nothing of the log talks to `/record/{session}/v1`, echoing each answer in its next request as a real client does
+(so the session grows by one message a round; its size at the start and the end is reported). The gateway logs the
+request's new messages, flushes, forwards the derivation and logs the streamed answer. Its overhead to the first
+byte is against the direct call of the same body in the same run; `gateway_work` is the gateway's own time before
+forwarding (its metrics), beside one decode of the body: flat across sizes while the decode grows is O(new
+messages). `chunk_lag` is, per streamed SSE line of a 40-line answer, (its arrival - the first line's) through the
+record gateway minus the same through the gateway without logging (derive mode, which logs nothing) and minus the
+same direct, p50 and p99 over lines and rounds: logging must not hold chunks back. Goals: overhead p50 <= 2 ms and
+p99 <= 5 ms at 100 messages.
 """
 
 from __future__ import annotations
@@ -318,6 +329,131 @@ def start_litellm(
     return f"measured: {LITELLM}"
 
 
+RECORD = os.environ.get("BENCH_GATEWAY_RECORD", "1") != "0"
+RECORD_ROUNDS = {100: scale(300, 30), 1_000: scale(150, 15), 10_000: scale(30, 5)}
+
+
+def record_history(size: int) -> list[dict[str, Any]]:
+    """An OpenAI client's history of about `size` messages: a system prompt, then turns of a question, a tool call,
+    its result and an answer."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}]
+    n = 0
+    while len(messages) + 4 <= size:
+        n += 1
+        call = {"id": f"call_{n}", "type": "function", "function": {"name": "read", "arguments": '{"path": "a"}'}}
+        messages += [
+            {"role": "user", "content": "q" * 80},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{n}", "content": "r" * 200},
+            {"role": "assistant", "content": "a" * 120},
+        ]
+    messages.append({"role": "user", "content": "q" * 80})
+    return messages
+
+
+def record_body(messages: list[dict[str, Any]]) -> bytes:
+    return msgspec.json.encode({"model": "m", "temperature": 0.2, "stream": True, "messages": messages})
+
+
+async def line_times(client: httpx.AsyncClient, url: str, body: bytes) -> list[float]:
+    """Milliseconds from the request to each SSE `data:` line of the answer."""
+    start = time.perf_counter()
+    times: list[float] = []
+    async with client.stream("POST", url, content=body, headers={"content-type": "application/json"}) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
+        async for chunk in response.aiter_raw():
+            now = (time.perf_counter() - start) * 1000
+            times += [now] * chunk.count(b"data:")
+    return times
+
+
+async def measure_record(
+    provider_url: str, gateway_base: str, size: int, passthrough_url: str | None = None
+) -> dict[str, Any]:
+    session_id = f"bench-record-{size}-{time.time_ns() % 10**9}"
+    url = f"{gateway_base}/record/{session_id}/v1/chat/completions"
+    metrics_url = f"{gateway_base}/metrics"
+    messages = record_history(size)
+    reply = {"role": "assistant", "content": "ok"}  # what the scripted provider answers, as the client holds it
+    headers = {"content-type": "application/json"}
+    direct, record, hop = [], [], []
+    start_size = len(messages)
+    async with httpx.AsyncClient(timeout=60) as client:
+        cold = await ttfb(client, url, record_body(messages), headers)  # the session's first request logs it all
+        messages.append(reply)
+        for _ in range(5):
+            body = record_body(messages)
+            await ttfb(client, provider_url, body, headers)
+            await ttfb(client, url, body, headers)
+            messages.append(reply)
+        gc.collect()
+        before = await gateway_sums(client, metrics_url)
+        decode = []
+        for _ in range(RECORD_ROUNDS[size]):
+            body = record_body(messages)
+            direct.append(await ttfb(client, provider_url, body, headers))
+            record.append(await ttfb(client, url, body, headers))
+            if passthrough_url is not None:  # the same body through the plain proxy: the floor of a hop
+                hop.append(await ttfb(client, passthrough_url, body, headers))
+            messages.append(reply)
+        after = await gateway_sums(client, metrics_url)
+        decode.append(decode_ms(record_body(messages)))
+    d, r = summary(direct), summary(record)
+    work = mean_ms(before, after, "invariant_seconds")
+    versus: dict[str, Any] = {}
+    if hop:
+        h = summary(hop)
+        versus = {"passthrough_ttfb_ms": h,
+                  "record_minus_passthrough_ms": {"p50": round(r["p50"] - h["p50"], 4),
+                                                  "p99": round(r["p99"] - h["p99"], 4)}}  # fmt: skip
+    return {
+        **versus,
+        "messages_at_start": start_size,
+        "messages_at_end": len(messages),
+        "cold_first_request_ttfb_ms": round(cold, 3),
+        "direct_ttfb_ms": d,
+        "record_ttfb_ms": r,
+        "overhead_ms": {"p50": round(r["p50"] - d["p50"], 4), "p99": round(r["p99"] - d["p99"], 4)},
+        "gateway_work_mean_ms": work,
+        "decode_ms": round(decode[0], 4),
+        "gateway_work_over_decode": round(work / decode[0], 2),
+    }
+
+
+async def measure_chunk_lag(log: SessionLog, provider_url: str, gateway_base: str, rounds: int = 30) -> dict[str, Any]:
+    """Per SSE line of a streamed answer: its lag behind the first line through the record gateway, minus the same
+    through the gateway without logging (derive mode on a session of the same size, which logs nothing), and minus
+    the same direct. Rounds alternate the three."""
+    script = [{"text": " ".join(["word"] * 40), "chunk_delay_s": 0.002}]
+    vs_relay: list[float] = []
+    vs_direct: list[float] = []
+    writer = await log.create(f"bench-relay-{time.time_ns() % 10**9}")
+    for raw in session_events(100):
+        await writer.append(raw)
+    await writer.flush()
+    relay_url = f"{gateway_base}/v1/sessions/{writer.session_id}/completions"
+    async with httpx.AsyncClient(timeout=60) as client:
+        await client.post(provider_url.replace("/v1/chat/completions", "/_scripted/script"), json=script)
+        session_id = f"bench-chunks-{time.time_ns() % 10**9}"
+        url = f"{gateway_base}/record/{session_id}/v1/chat/completions"
+        messages = record_history(100)
+        text = " ".join(["word"] * 40)
+        for i in range(rounds + 3):
+            body = record_body(messages)
+            direct = await line_times(client, provider_url, body)
+            relay = await line_times(client, relay_url, b'{"stream": true}')
+            record = await line_times(client, url, body)
+            messages.append({"role": "assistant", "content": text})
+            if i < 3 or not len(direct) == len(relay) == len(record):
+                continue
+            vs_relay += [(r - record[0]) - (x - relay[0]) for x, r in zip(relay, record, strict=True)]
+            vs_direct += [(r - record[0]) - (d - direct[0]) for d, r in zip(direct, record, strict=True)]
+    await writer.close()
+    return {"lines": len(vs_relay), "vs_gateway_without_logging_ms": summary(vs_relay),
+            "vs_direct_ms": summary(vs_direct)}  # fmt: skip
+
+
 def main() -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         server = EmbeddedServer(Path(tmp) / "nats").start()
@@ -352,17 +488,42 @@ def main() -> dict[str, object]:
             sizes = asyncio.run(
                 run_all(settings, provider_url + "/v1/chat/completions", gateway_url + "/v1/chat/completions", proxies)
             )
+            record: dict[str, Any] = {}
+            if RECORD:
+                direct_url = provider_url + "/v1/chat/completions"
+
+                async def record_run() -> dict[str, Any]:
+                    hop_url = proxies["passthrough"][0]
+                    out: dict[str, Any] = {
+                        str(s): await measure_record(direct_url, gateway_url, s, hop_url) for s in SIZES
+                    }
+                    log = await SessionLog.connect(settings)
+                    try:
+                        out["chunk_lag"] = await measure_chunk_lag(log, direct_url, gateway_url)
+                    finally:
+                        await log.close()
+                    return out
+
+                record = asyncio.run(record_run())
         finally:
             for proc in reversed(procs):
                 _stop(proc)
             server.kill()
+    record_goals: dict[str, Any] = {}
+    if record and "100" in record:
+        record_goals = {
+            "record_overhead_p50_at_most_2ms_at_100": record["100"]["overhead_ms"]["p50"] <= 2.0,
+            "record_overhead_p99_at_most_5ms_at_100": record["100"]["overhead_ms"]["p99"] <= 5.0,
+        }
     return {
         "benchmark": "gateway",
         "derivation": DERIVATION,
-        "mode": "check",
+        "modes": ["check", "record"] if record else ["check"],
         "litellm": litellm_note,
         "sizes": sizes,
+        "record": record,
         "goals": {
+            **record_goals,
             "overhead_p99_under_2ms_at_100": sizes["100"]["overhead_ms"]["p99"] < 2.0,
             "within_1ms_of_passthrough_p99": {
                 k: v["proxies"]["passthrough"]["gateway_minus_this_ms"]["p99"] <= 1.0 for k, v in sizes.items()

@@ -67,6 +67,17 @@ def goals(r: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(_row("gateway p99 minus pass-through proxy p99, 100 messages", "<= 1 ms", v,
                          _judge(v, lambda x: x <= 1.0), "bench_gateway",
                          ", ".join(f"{k}: {x:.2f}" for k, x in diffs.items() if x is not None)))  # fmt: skip
+    record = get(r, "bench_gateway.record") or {}
+    if "100" in record:
+        for q, limit in (("p50", 2.0), ("p99", 5.0)):
+            v = get(record, f"100.overhead_ms.{q}")
+            rows.append(_row(f"record mode overhead {q} at 100 messages (issue 13)", f"<= {limit:g} ms", v,
+                             _judge(v, lambda x, lim=limit: x <= lim), "bench_gateway"))  # fmt: skip
+        diffs = {k: get(x, "record_minus_passthrough_ms.p99") for k, x in record.items() if k.isdigit()}
+        v = diffs.get("100")
+        rows.append(_row("record mode p99 minus pass-through proxy p99, 100 messages", "<= 1 ms", v,
+                         _judge(v, lambda x: x <= 1.0), "bench_gateway",
+                         ", ".join(f"{k}: {x:.2f}" for k, x in diffs.items() if x is not None)))  # fmt: skip
     for where in ("single", "cluster"):
         fleet = get(r, f"bench_fleet.{where}")
         if not fleet or "error" in fleet:

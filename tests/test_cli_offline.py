@@ -187,3 +187,17 @@ def test_the_console_script_runs_as_a_process(parallel: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ok: 32 events")
+
+
+@pytest.mark.parametrize("depth", [70, 3000])
+def test_a_file_whose_event_nests_too_deep_is_one_typed_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, depth: int
+) -> None:
+    """Past MAX_EVENT_DEPTH, and far past Python's recursion limit: `EVENT_TOO_DEEP`, never a traceback."""
+    path = tmp_path / "deep.jsonl"
+    nested = "[" * depth + "]" * depth
+    header = '{"type":"session","version":0,"id":"deep","createdAt":1}'
+    path.write_text(header + '\n{"seq":0,"time":1,"type":"session/title","data":{"t":' + nested + "}}\n")
+    code, out, err = run(capsys, "derive", str(path))
+    assert code == 1 and out == ""
+    assert err.startswith("error EVENT_TOO_DEEP at seq 0:"), err

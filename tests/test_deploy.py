@@ -118,6 +118,7 @@ def test_accounts_conf_is_what_make_accounts_writes() -> None:
 def test_make_accounts_uses_the_names_of_the_settings_and_the_services() -> None:
     from services.context_deriver.service import SERVICE as CONTEXT_SERVICE
     from services.context_deriver.service import ContextDeriver
+    from services.gateway.record import RELEASE_PREFIX
     from services.repairer.service import SERVICE as REPAIR_SERVICE
     from services.repairer.service import Repairer
     from services.token_auditor.service import SERVICE as AUDIT_SERVICE
@@ -138,6 +139,7 @@ def test_make_accounts_uses_the_names_of_the_settings_and_the_services() -> None
     assert accounts.MICRO["repairer"][0] == REPAIR_SERVICE
     assert accounts.MICRO["token-auditor"][0] == AUDIT_SERVICE
     assert accounts.PURGED == PURGED_PREFIX
+    assert accounts.RELEASE == RELEASE_PREFIX
     assert UIReplayer.name in accounts.PROJECTIONS and TokenAuditor.name in accounts.PROJECTIONS
     # Every service is a role with a user of its own, and so are the agents and the operator.
     assert set(SERVICES) | {"writer", "admin"} == set(ROLES)
@@ -582,18 +584,22 @@ async def test_a_writer_appends_and_jetstream_acknowledges(
 
 @on_module_loop
 @pytest.mark.parametrize("role", [*PROJECTION_ROLES, "gateway"])
-async def test_a_projection_or_the_gateway_cannot_write_the_event_stream(
+async def test_a_projection_cannot_write_the_event_stream_and_the_gateway_only_appends(
     single: EmbeddedServer, admin: SessionLog, role: str
 ) -> None:
     nc, errors = await connect_as(single.url, role)
     try:
         before = await stream_messages(admin)
         session_id = new_id(role)
-        with pytest.raises((nats.errors.TimeoutError, TimeoutError)):  # no ack: the server dropped the publish
-            await publish_record(nc, session_id, timeout=1)
-        await wait_for_violation(single, role, "Publish", in_subject(session_id))
-        assert any("permissions violation" in e and in_subject(session_id) in e for e in errors)
-        # Neither a plain publish, nor the stored subject, nor the stream API's write operations get through.
+        if role == "gateway":  # record mode: the gateway writes sessions for its clients, by appending only
+            assert (await publish_record(nc, session_id)).stream == "SESSIONLOG"
+            before += 1
+        else:
+            with pytest.raises((nats.errors.TimeoutError, TimeoutError)):  # no ack: the server dropped the publish
+                await publish_record(nc, session_id, timeout=1)
+            await wait_for_violation(single, role, "Publish", in_subject(session_id))
+            assert any("permissions violation" in e and in_subject(session_id) in e for e in errors)
+        # Neither the stored subject nor the stream API's write operations get through.
         await nc.publish(f"sessionlog.events.0.{session_id}", b"[]")
         for operation in ("STREAM.PURGE", "STREAM.MSG.DELETE", "STREAM.UPDATE", "STREAM.DELETE"):
             await nc.publish(f"$JS.API.{operation}.SESSIONLOG", b"{}")
@@ -671,7 +677,10 @@ WRITES = [
     ("writer", "$KV.sessionlog-sessions.{session}", True),
     ("repairer", "$KV.sessionlog-leases.{session}", True),
     ("repairer", "$KV.sessionlog-sessions.{session}", False),
-    ("gateway", "$KV.sessionlog-sessions.{session}", False),
+    ("gateway", "$KV.sessionlog-sessions.{session}", True),  # record mode creates sessions
+    ("gateway", "$KV.sessionlog-leases.{session}", True),
+    ("gateway", "$KV.sessionlog-leases.partition.repairer.99", False),
+    ("gateway", "$KV.sessionlog-checkpoints.context-deriver.test", False),
     ("writer", "$O.sessionlog-blobs.C.{session}", True),
     ("ui-replayer", "$O.sessionlog-blobs.C.{session}", False),
 ]
@@ -694,6 +703,36 @@ async def test_each_role_writes_only_its_own_keys(
             await wait_for_violation(single, role, "Publish", subject)
     finally:
         await nc.close()
+
+
+@on_module_loop
+async def test_a_writer_cannot_purge_a_sessions_header(
+    single: EmbeddedServer, admin: SessionLog, writer_log: SessionLog
+) -> None:
+    """The writer must put headers into the bucket, and NATS permissions cannot tell a put from a delete or purge
+    marker (all publish to `$KV.sessionlog-sessions.<id>`): the bucket itself refuses anything but the first."""
+    session_id = await written_session(writer_log)
+    events = await admin.reader.events(session_id)
+    header = await admin.header(session_id)
+    assert header is not None
+    subject = f"$KV.{admin.settings.kv_sessions}.{session_id}"
+    nc, _ = await connect_as(single.url, "writer")
+    try:
+        await nc.publish(subject, b"", headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub"})
+        await nc.flush()
+        js = nc.jetstream(timeout=5)
+        for what, body, headers in (
+            ("a purge marker", b"", {"KV-Operation": "PURGE", "Nats-Rollup": "sub"}),
+            ("a delete marker", b"", {"KV-Operation": "DEL"}),
+            ("another header", kv_value(subject), None),
+        ):
+            with pytest.raises(nats.js.errors.APIError):
+                await js.publish(subject, body, headers=headers)
+                pytest.fail(f"{what} was accepted")
+    finally:
+        await nc.close()
+    assert await admin.reader.events(session_id) == events
+    assert await admin.header(session_id) == header, "the writer erased or replaced the session's header"
 
 
 # (role, subject): subscriptions that would let a role answer in another service's name, or eavesdrop on it.
@@ -909,6 +948,31 @@ async def test_the_gateway_forwards_and_tees_under_its_own_user(
         assert raw.headers is not None and raw.headers.get("Sessionlog-Kind") == "response"
     finally:
         await writer.close()
+    assert violations(single, "gateway", since=mark) == []
+
+
+@on_module_loop
+async def test_the_gateway_records_a_session_under_its_own_user(single: EmbeddedServer, admin: SessionLog) -> None:
+    mark = log_mark(single)
+    from services.gateway import ScriptedProvider, ServerThread
+
+    session_id = new_id("rec")
+    provider = ScriptedProvider([{"text": "", "tool_calls": [{"id": "c1", "name": "read", "arguments": "{}"}]},
+                                 {"text": "done"}])  # fmt: skip
+    with ServerThread(provider.app()) as upstream:
+        async with serving(single.url, "gateway", provider_base_url=upstream.url) as (service, _):
+            url = f"http://127.0.0.1:{service.config.port}/record/{session_id}/v1/chat/completions"
+            messages: list[dict[str, object]] = [{"role": "user", "content": "read"}]
+            async with httpx.AsyncClient(timeout=10) as http:
+                first = await http.post(url, json={"model": "m", "messages": messages})
+                assert first.status_code == 200, first.text
+                messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "c1",
+                                                                     "content": "x"}]  # fmt: skip
+                second = await http.post(url, json={"model": "m", "messages": messages, "stream": True})
+                assert second.status_code == 200, second.text
+            await service.gateway.tee.drain()
+    _, session, _ = await admin.load(session_id)
+    assert session.open_turn is None and [e.type for e in session][-1] == "turn/end"
     assert violations(single, "gateway", since=mark) == []
 
 

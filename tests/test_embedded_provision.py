@@ -35,6 +35,8 @@ from sessionlog.leases import LeaseHeld, LeaseLost, Leases, ttl_header
 from sessionlog.provision import (
     StreamMismatch,
     event_stream_config,
+    headers_stream_config,
+    kv_stream_config,
     partition_of,
     provision,
     resources,
@@ -324,6 +326,33 @@ async def test_every_differing_field_is_listed_and_nothing_is_created(
     assert {d.field for d in diffs[f"kv {settings.kv_leases}"]} == {"storage"}
     # The one missing bucket was not created: the plan failed before anything was committed.
     assert await stream_config(js, f"KV_{settings.kv_sessions}") is None
+
+
+@on_module_loop
+async def test_a_headers_bucket_from_before_write_once_headers_is_reported_and_can_be_updated_in_place(
+    fresh_js: JetStreamContext, fresh_server: EmbeddedServer
+) -> None:
+    js, settings = fresh_js, log_settings(fresh_server.url)
+    old = kv_stream_config(settings, settings.kv_sessions)  # what provisioning created before 2026-12-03
+    await js._nc.request(f"$JS.API.STREAM.CREATE.{old['name']}", json.dumps(old).encode())
+    with pytest.raises(StreamMismatch) as caught:
+        await provision(js, settings)
+    diffs = caught.value.differences[f"kv {settings.kv_sessions}"]
+    assert {d.field for d in diffs} == {"discard_new_per_subject", "allow_rollup_hdrs"}
+    assert "docs/operations.md" in caught.value.message
+    assert await stream_config(js, settings.stream) is None, "nothing created while the plan failed"
+    # JetStream takes both fields as an update of the existing stream, keeping its headers.
+    kv = await js.key_value(settings.kv_sessions)
+    await kv.put("kept", b"header")
+    reply = await js._nc.request(
+        f"$JS.API.STREAM.UPDATE.{old['name']}", json.dumps(headers_stream_config(settings)).encode()
+    )
+    assert "error" not in json.loads(reply.data), reply.data
+    report = await provision(js, settings)
+    assert f"kv {settings.kv_sessions}" in report.verified
+    assert (await kv.get("kept")).value == b"header"
+    with pytest.raises(nats.js.errors.APIError):
+        await kv.put("kept", b"overwritten")
 
 
 @on_module_loop

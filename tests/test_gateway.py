@@ -772,6 +772,49 @@ async def test_a_malformed_messages_field_is_invalid_request_not_a_divergence(
     assert provider.received == []
 
 
+DEEP = b"[" * 20_000 + b"]" * 20_000
+
+
+def bad_bodies(good: bytes) -> dict[str, bytes]:
+    """Bodies no route may answer with a 500: nested past any decoder's recursion, invalid UTF-8 or escapes in
+    the checked request, and wrong types where the check reads a field (an empty body is fine in derive mode)."""
+    head, _, rest = good.partition(b'"messages":')
+    return {
+        "deep-messages": b'{"model":"scripted-model","messages":' + DEEP + b"}",
+        "deep-in-a-message": head + b'"messages":[{"role":"user","content":"hi","x":' + DEEP + b"}]}",
+        "deep-tools": good[:-1] + b',"tools":' + DEEP + b"}",
+        "deep-field": good[:-1] + b',"temperature":' + DEEP + b"}",
+        "bad-escape": head + b'"messages":[{"role":"user","content":"\\x"}]}',
+        "bad-utf8": head + b'"messages":[{"role":"user","content":"\xff"}]}',
+        "bad-utf8-in-a-field": good[:-1] + b',"user":"\xff"}',
+        "not-json": good[:-1],
+        "not-an-object": b"[1,2]",
+        "model-a-list": b'{"model":["m"],"messages":' + rest,
+        "role-a-number": head + b'"messages":[{"role":7,"content":"hi"}]}',
+        "bad-tool-call": head + b'"messages":[{"role":"assistant","tool_calls":[{"id":1,"function":"f"}]}]}',
+        "content-an-object": head + b'"messages":[{"role":"user","content":{"text":"hi"}}]}',
+        "empty": b"",
+    }
+
+
+async def test_a_bad_body_is_a_typed_4xx_in_proxy_and_derive_mode_and_reaches_no_provider(
+    http: httpx.AsyncClient, agent: Agent, provider: ScriptedProvider
+) -> None:
+    await agent.start_turn("hello")
+    good = msgspec.json.encode(agent.request())
+    assert good.startswith(b"{") and b'"messages":' in good
+    answers: dict[str, tuple[int, str]] = {}
+    for name, body in bad_bodies(good).items():
+        derive = f"/v1/sessions/{agent.session_id}/completions"
+        for route in ("/v1/chat/completions", derive) if name != "empty" else ("/v1/chat/completions",):
+            reply = await http.post(route, content=body, headers=await agent.headers())
+            code = reply.json()["error"]["code"] if reply.headers.get("content-type") == "application/json" else ""
+            answers[f"{name} {route.split('/')[2]}"] = (reply.status_code, code)
+    bad = {k: v for k, v in answers.items() if not (400 <= v[0] < 500 and v[1])}
+    assert bad == {}, bad
+    assert provider.received == []
+
+
 async def test_every_refusal_says_do_not_retry_and_unknown_routes_answer_the_json_error_shape(
     http: httpx.AsyncClient, agent: Agent
 ) -> None:

@@ -10,6 +10,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sessiongen import (
     SessionBuilder,
     event_bytes,
@@ -21,6 +23,7 @@ from sessiongen import (
 )
 
 from sessionlog.errors import ERRORS_BY_CODE, SessionLogError
+from sessionlog.events import MAX_EVENT_DEPTH, nests_deeper_than
 from sessionlog.repair import interrupted_turn_closers
 from sessionlog.session import Session, messages_canonical, messages_json
 
@@ -1054,3 +1057,42 @@ def test_a_loaded_log_leaves_its_event_data_out_of_the_garbage_collectors_walks(
     assert [e.type for e in session][-1] == "tool/result"
     for event in session:
         assert not gc.is_tracked(event) and not gc.is_tracked(event.data), event.type
+
+
+# ---------------------------------------------------------------------------------------------- nesting depth
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='ab[]{}"\\\n', max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet='k[{"\\', max_size=3), inner, max_size=3)
+    ),
+    max_leaves=60,
+)
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    return 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_json_values, limit=st.integers(min_value=0, max_value=8))
+def test_the_depth_scan_agrees_with_walking_the_decoded_value(value: Any, limit: int) -> None:
+    """Brackets inside strings (escaped quotes and backslashes included) never count; objects and arrays do."""
+    raw = msgspec.json.encode(value)
+    assert nests_deeper_than(raw, limit) == (_depth(value) > limit)
+
+
+@pytest.mark.parametrize("depth", [MAX_EVENT_DEPTH - 1, MAX_EVENT_DEPTH - 2])
+def test_an_event_at_the_nesting_limit_is_accepted_and_one_level_more_is_event_too_deep(depth: int) -> None:
+    nested = "[" * depth + "]" * depth  # the event object and `data` are two more levels
+    raw = ('{"seq":0,"type":"session/title","data":{"t":' + nested + "}}").encode()
+    if depth + 2 <= MAX_EVENT_DEPTH:
+        assert Session([raw])[0].type == "session/title"
+    else:
+        with pytest.raises(SessionLogError) as refused:
+            Session([raw])
+        assert refused.value.code == "EVENT_TOO_DEEP" and refused.value.seq == 0

@@ -18,6 +18,7 @@ from sessionlog.wire import (
     InvalidRequest,
     WireCache,
     check_request,
+    checked_body,
     compare_request,
     first_difference,
     parse_request,
@@ -223,9 +224,12 @@ def test_a_request_with_other_key_order_and_whitespace_passes() -> None:
         (lambda r: r["messages"].pop(), "$.messages[4]"),
         (lambda r: r["messages"].pop(0), "$.messages[0].content"),
         (lambda r: r["messages"][2].pop("reasoning_content"), "$.messages[2].reasoning_content"),
-        (lambda r: r["messages"][2].__setitem__("content", None), "$.messages[2].content"),
+        (
+            lambda r: r["messages"][1].__setitem__("content", [{"type": "text", "text": "Read b.txt"}]),
+            "$.messages[1].content",
+        ),
     ],
-    ids=["injected", "reordered", "edited", "missing", "system-dropped", "reasoning-dropped", "null-content"],
+    ids=["injected", "reordered", "edited", "missing", "system-dropped", "reasoning-dropped", "parts-edited"],
 )
 def test_a_request_whose_messages_differ_is_refused_with_the_path(mutate: Any, path: str) -> None:
     messages, header = derivation(tool_turn())
@@ -272,7 +276,7 @@ def test_the_refusal_names_the_seq_of_the_derived_message() -> None:
     ("mutate", "path"),
     [
         (lambda r: r.__setitem__("temperature", 0.3), "$.temperature"),
-        (lambda r: r.__setitem__("max_tokens", 512.0), "$.max_tokens"),
+        (lambda r: r.__setitem__("max_tokens", 512.5), "$.max_tokens"),
         (lambda r: r["tools"].pop(), "$.tools[1]"),
         (lambda r: r["tools"][0]["function"].__setitem__("description", "x"), "$.tools[0].function.description"),
         (lambda r: r.__setitem__("model", "deepseek-reasoner"), "$.model"),
@@ -284,7 +288,7 @@ def test_the_refusal_names_the_seq_of_the_derived_message() -> None:
     ],
     ids=[
         "temperature",
-        "int-vs-float",
+        "other-number",
         "tool-removed",
         "tool-edited",
         "model",
@@ -303,6 +307,26 @@ def test_a_request_whose_header_fields_differ_is_refused_as_header_diverges(muta
         check_request(request, messages, header)
     assert PHRASE in info.value.message and path in info.value.message
     assert info.value.seq == 3  # the request/header
+
+
+def test_wire_forms_that_carry_the_same_thing_pass_and_the_provider_gets_the_canonical_bytes() -> None:
+    """sessionlog.wireforms: null content, text-part arrays, a tool `name` and `512.0` for `512` are the same request;
+    dropped reasoning is not (check mode: the client wrote the log itself)."""
+    messages, header = derivation(tool_turn())
+    request = expected_request()
+    wire = request["messages"]
+    wire[1]["content"] = [{"type": "text", "text": "Read "}, {"type": "text", "text": "a.txt"}]
+    wire[2]["content"] = [{"type": "text", "text": "Reading."}]
+    wire[2]["refusal"] = None
+    wire[4]["name"] = "read"
+    request["max_tokens"] = float(request["max_tokens"])
+    for form in (request, msgspec.json.encode(request)):
+        assert check_request(form, messages, header) is not None
+    lazy = parse_request(msgspec.json.encode(request), lazy=True)
+    cache = WireCache()
+    assert compare_request(lazy, messages, header, cache=cache) is None
+    forwarded = msgspec.json.decode(checked_body(lazy, cache.expected_messages(messages, header)))
+    assert forwarded["messages"] == expected_request()["messages"]
 
 
 def test_message_divergence_is_reported_before_header_divergence() -> None:

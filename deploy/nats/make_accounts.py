@@ -10,8 +10,9 @@ tests/test_deploy.py checks that the committed file is what this script writes, 
 the defaults of `sessionlog.settings.Settings`.
 
 The model, per role (details next to each list):
-- only `writer` (agents) and `repairer` may publish to the event stream (`sessionlog.in.*`); only `gateway` to
-  the raw audit stream (`sessionlog.raw.*`); only `admin` may create, change, purge or delete streams;
+- only `writer` (agents), `repairer` and `gateway` (record mode) may publish to the event stream
+  (`sessionlog.in.*`); only `gateway` to the raw audit stream (`sessionlog.raw.*`); only `admin` may create,
+  change, purge or delete streams;
 - a projection reads the log (direct get, its own durable consumers), keeps its own checkpoints
   (`$KV.sessionlog-checkpoints.<projection>.>`) and partition leases (`$KV.sessionlog-leases.partition.<projection>.>`),
   answers presence on `sessionlog.replicas.<projection>` and serves its own micro endpoints;
@@ -86,6 +87,7 @@ ALL_STREAMS = (
 EVENT_WRITES = ("sessionlog.in.>", "sessionlog.events.>")
 PURGED = "sessionlog.admin.purged."  # sessionlog.log.PURGED_PREFIX: only the admin announces an erasure
 RAW_WRITES = ("sessionlog.raw.>",)
+RELEASE = "sessionlog.gateway.release."  # services.gateway.record.RELEASE_PREFIX
 
 
 def connect_and_verify(p: Permissions) -> None:
@@ -146,6 +148,8 @@ def projection(p: Permissions, name: str, partitions: int) -> None:
     own_keys = f"$KV.{KV_CHECKPOINTS}.{name}.>"
     own_reads = f"{API}.DIRECT.GET.KV_{KV_CHECKPOINTS}.{own_keys}"
     p.publish("its own checkpoints and quarantine entries", own_keys, own_reads)
+    p.publish("list quarantine entries at start (batch direct get on the checkpoints bucket, read only)",
+              f"{API}.DIRECT.GET.KV_{KV_CHECKPOINTS}")  # fmt: skip
     p.publish("its own partition leases", f"$KV.{KV_LEASES}.partition.{name}.>", f"{API}.STREAM.MSG.GET.KV_{KV_LEASES}")
     p.publish("presence requests to its own replicas", f"sessionlog.replicas.{name}")
     p.subscribe("presence: answer its own replicas", f"sessionlog.replicas.{name}")
@@ -214,7 +218,13 @@ def role_permissions(role: str, partitions: int) -> Permissions | None:
         read_blobs(p)
         p.publish("ask the context-deriver for derivations", "sessionlog.context.*")
         p.publish("tee request and response bytes to the raw audit stream", "sessionlog.raw.*")
-        p.deny_pub += [*EVENT_WRITES, f"$KV.{KV_SESSIONS}.>", f"$KV.{KV_LEASES}.>", f"$KV.{KV_CHECKPOINTS}.>"]
+        # Record mode: the gateway writes sessions for clients that cannot (appends only, as a writer does).
+        p.publish("record mode: append records to the event stream", "sessionlog.in.*")
+        p.publish("record mode: make sessions visible (KV create of the header)", f"$KV.{KV_SESSIONS}.*")
+        session_leases(p)
+        p.publish("record mode: ask the replica holding a session to let go of it", f"{RELEASE}*")
+        p.subscribe("record mode: another replica asks for a session this one holds", f"{RELEASE}*")
+        p.deny_pub += ["sessionlog.events.>", f"$KV.{KV_CHECKPOINTS}.>"]
     else:
         raise ValueError(f"unknown role {role!r}")
     # Nobody but admin touches a stream's configuration or its stored messages, or announces an erasure.

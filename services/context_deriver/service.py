@@ -224,6 +224,8 @@ class ContextDeriverService(ProjectionService[DeriverState]):
             "lag_events": health["lag_events"],
             "partitions": health["partitions"],
             "quarantined": health["quarantined"],
+            "quarantine": health["quarantine"],
+            "stalled": health["stalled"],
             "replica": health["replica"],
         }
 

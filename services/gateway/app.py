@@ -9,6 +9,8 @@ Endpoints:
 - `POST /v1/sessions/{id}/completions`: derive mode. The gateway builds the request from the log itself; the body
   holds at most transport fields (`stream`, `stream_options`). Anything else in it is laid over the derived request
   and goes through the same check, so a model-visible field there is refused exactly as in proxy mode.
+- `POST /record/{id}/v1/chat/completions`, `GET /record/{id}/v1/models`: record mode (`record.py`): the gateway
+  logs the session itself for a client that only changed its base URL.
 - `GET /healthz`, `GET /metrics` (Prometheus), both without the API key.
 
 A refusal or failure answers OpenAI-style: `{"error": {"message", "type", "code", "param", ...}}` where `code` is
@@ -21,15 +23,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hmac
 import logging
+import re
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import httpx
 import msgspec
@@ -46,6 +48,7 @@ from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
 from sessionlog.record import H_RAW_OUTCOME, H_RAW_SESSION_SEQ, H_RAW_STATUS
 from sessionlog.settings import Settings
+from sessionlog.tasks import detach
 from sessionlog.wire import (
     Divergence,
     InvalidRequest,
@@ -58,7 +61,9 @@ from sessionlog.wire import (
 from .config import GatewayConfig
 from .derivation import ContextDeriverClient, Derivation, DerivationSource, StreamSource
 from .metrics import GatewayMetrics
+from .record import Recorder
 from .tee import H_REQUEST_ID, RawTee
+from .tenants import Tenants
 from .upstream import (
     Upstream,
     UpstreamConfig,
@@ -80,10 +85,15 @@ H_SHOULD_RETRY: Final = "x-should-retry"
 T = TypeVar("T")
 
 
-class Unauthorized(SessionLogError):
-    """The gateway has an API key and the request did not present it."""
+class Observer(Protocol):
+    """Follows one forwarded exchange (record mode logs the response through it)."""
 
-    code = "UNAUTHORIZED"
+    async def relayed(self, data: bytes) -> None:
+        """Bytes of a streamed answer, once the client has been sent them."""
+
+    async def ended(self, outcome: str, status: int, *, body: bytes | None = None, message: str = "") -> None:
+        """The exchange is over (called once): `forwarded` (with the whole body when not streamed),
+        `client_disconnected` or `upstream_error`."""
 
 
 STATUS_BY_CODE: Final[Mapping[str, int]] = {
@@ -91,6 +101,7 @@ STATUS_BY_CODE: Final[Mapping[str, int]] = {
     "HEADER_DIVERGES": 409,
     "STRUCTURE_INVALID": 409,
     "SESSION_NOT_FOUND": 404,
+    "SESSION_BUSY": 409,
     "INVALID_SESSION_ID": 400,
     "INVALID_REQUEST": 400,
     "UNAUTHORIZED": 401,
@@ -124,6 +135,15 @@ def error_body(err: SessionLogError, *, request_id: str, path: str | None = None
     if err.seq is not None:
         error["seq"] = err.seq
     return {"error": error}
+
+
+# A refusal about one part of the request names it first (`$.messages[1]: ...`): that is its OpenAI `param`.
+_LEADING_PATH: Final = re.compile(r"\$(?:\.[A-Za-z_]\w*|\[\d+\])*(?=[:\s]|$)")
+
+
+def _leading_path(message: str) -> str | None:
+    found = _LEADING_PATH.match(message)
+    return found.group() if found is not None else None
 
 
 def _status_of(err: SessionLogError) -> int:
@@ -185,6 +205,8 @@ class Gateway:
         self._default: Upstream | None = None
         self._tee: RawTee | None = None
         self._caches: OrderedDict[str, WireCache] = OrderedDict()
+        self.tenants = Tenants.from_settings(settings, self.config.api_key)
+        self.recorder = Recorder(self)
         self.started = False
 
     # ---------------------------------------------------------------------------------- lifecycle
@@ -197,6 +219,16 @@ class Gateway:
     @property
     def tee(self) -> RawTee | None:
         return self._tee
+
+    @property
+    def log(self) -> SessionLog:
+        assert self._log is not None, "the gateway is not started"
+        return self._log
+
+    @property
+    def record_provider(self) -> str:
+        """The provider name record mode logs (`config.provider`): the default route's."""
+        return self.config.upstream.name
 
     async def start(self) -> None:
         if self._log is None:
@@ -217,10 +249,12 @@ class Gateway:
             self._tee = RawTee(
                 log_.js, stream=self.config.raw_stream, max_payload=log_.nc.max_payload, metrics=self.metrics
             )
+        await self.recorder.start()
         self.started = True
 
     async def stop(self) -> None:
         self.started = False
+        await self.recorder.stop()
         if self._tee is not None:
             await self._tee.drain()
         if self._http is not None:
@@ -321,13 +355,7 @@ class Gateway:
         return await self._forward(request, call, upstream, forwarded)
 
     def _authorize(self, request: Request) -> None:
-        key = self.config.api_key
-        if not key:
-            return
-        given = request.headers.get("authorization", "")
-        token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(token.encode(), key.encode()):
-            raise Unauthorized("missing or wrong gateway API key (send it as `Authorization: Bearer <key>`)")
+        self.tenants.tenant(request.headers)
 
     def _cache(self, session_id: str) -> WireCache:
         cache = self._caches.get(session_id)
@@ -345,7 +373,7 @@ class Gateway:
         return upstream
 
     def _refuse(self, call: _Call, err: SessionLogError, divergence: Divergence | None = None) -> Response:
-        path = divergence.path if divergence is not None else None
+        path = divergence.path if divergence is not None else _leading_path(err.message)
         self.metrics.requests.labels(call.mode, "refused").inc()
         self.metrics.refusals.labels(err.code).inc()
         self._log_call(call, "refused", code=err.code, path=path, status=_status_of(err))
@@ -356,9 +384,51 @@ class Gateway:
             headers={H_RESPONSE_REQUEST_ID: call.request_id, **_no_retry(status)},
         )
 
+    refuse = _refuse
+
+    async def forward_recorded(
+        self, request: Request, call: _Call, fields: Mapping[str, Any], messages: bytes, observer: Observer
+    ) -> Response:
+        """Forward a request record mode has logged: the header's fields and the derivation's canonical messages."""
+        derivation = call.derivation
+        assert derivation is not None and derivation.header is not None
+        upstream = self._route(derivation.header.header.config.provider)
+        call.route = upstream.name
+        forwarded = upstream.forward_body(fields, messages)
+        call.invariant_s = time.perf_counter() - call.started
+        self.metrics.invariant_seconds.observe(call.invariant_s)
+        return await self._forward(request, call, upstream, forwarded, observer)
+
+    async def upstream_models(self) -> bytes:
+        """The default provider's model list (`GET {base}/models`), as it answers it."""
+        assert self._http is not None and self._default is not None, "the gateway is not started"
+        config = self._default.config
+        url = httpx.URL(config.base_url.rstrip("/") + "/models")
+        headers = {"accept": "application/json", "accept-encoding": "identity"}
+        if config.api_key:
+            headers["authorization"] = f"Bearer {config.api_key}"
+        timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
+        try:
+            response = await self._http.handle_async_request(
+                httpx.Request("GET", url, headers=headers, extensions={"timeout": timeout.as_dict()})
+            )
+            data = await response.aread()
+            await response.aclose()
+        except httpx.HTTPError as exc:
+            raise stream_error(exc, self._default.name, config.timeout_s) from None
+        if response.status_code != 200:
+            raise UpstreamError(
+                upstream_error_message(response.status_code, data),
+                status=gateway_status_for(response.status_code),
+                upstream_status=response.status_code,
+            )
+        return data
+
     # ---------------------------------------------------------------------------------- forwarding
 
-    async def _forward(self, request: Request, call: _Call, upstream: Upstream, body: bytes) -> Response:
+    async def _forward(
+        self, request: Request, call: _Call, upstream: Upstream, body: bytes, observer: Observer | None = None
+    ) -> Response:
         sent = time.perf_counter()
         request_entry = ("request", body, call.tee_headers())
         try:
@@ -366,20 +436,28 @@ class Gateway:
         except _ClientGone:
             self.metrics.client_disconnects.inc()
             self._finish(call, "client_disconnected", [request_entry], upstream_s=time.perf_counter() - sent)
+            if observer is not None:
+                await observer.ended("client_disconnected", 499)
             return Response(status_code=499)
         except SessionLogError as err:
             self.metrics.upstream_errors.labels(err.code).inc()
             self._finish(call, "upstream_error", [request_entry], upstream_s=time.perf_counter() - sent, code=err.code)
+            if observer is not None:
+                await observer.ended("upstream_error", _status_of(err), message=str(err))
             return JSONResponse(error_body(err, request_id=call.request_id), status_code=_status_of(err))
+        except BaseException:
+            if observer is not None:
+                detach(observer.ended("client_disconnected", 499))
+            raise
         self.metrics.upstream_first_byte_seconds.observe(time.perf_counter() - sent)
         headers = {H_RESPONSE_REQUEST_ID: call.request_id}
         if call.derivation is not None:
             headers[H_RESPONSE_SEQ] = str(call.derivation.seq)
         if response.status_code != 200:
-            return await self._upstream_failed(request, call, upstream, response, request_entry, sent)
+            return await self._upstream_failed(request, call, upstream, response, request_entry, sent, observer)
         if call.stream:
             return StreamingResponse(
-                self._relay(call, upstream, response, request_entry, sent),
+                self._relay(call, upstream, response, request_entry, sent, observer),
                 media_type=response.headers.get("content-type", "text/event-stream"),
                 headers={**headers, "cache-control": "no-cache"},
             )
@@ -389,6 +467,8 @@ class Gateway:
             self.metrics.client_disconnects.inc()
             _close_later(response)
             self._finish(call, "client_disconnected", [request_entry], upstream_s=time.perf_counter() - sent)
+            if observer is not None:
+                await observer.ended("client_disconnected", 499)
             return Response(status_code=499)
         except httpx.HTTPError as exc:
             failure = stream_error(exc, upstream.name, upstream.config.timeout_s)
@@ -397,8 +477,12 @@ class Gateway:
             self._finish(
                 call, "upstream_error", [request_entry], upstream_s=time.perf_counter() - sent, code=failure.code
             )
+            if observer is not None:
+                await observer.ended("upstream_error", _status_of(failure), message=str(failure))
             return JSONResponse(error_body(failure, request_id=call.request_id), status_code=_status_of(failure))
         await response.aclose()
+        if observer is not None:  # logged before the client has the answer: the session is free when it does
+            await observer.ended("forwarded", 200, body=data)
         response_entry = ("response", data, self._response_headers(call, response.status_code, "complete"))
         self._finish(call, "forwarded", [request_entry, response_entry], upstream_s=time.perf_counter() - sent)
         return Response(data, media_type=response.headers.get("content-type", "application/json"), headers=headers)
@@ -411,6 +495,7 @@ class Gateway:
         response: httpx.Response,
         request_entry: tuple[str, bytes, Mapping[str, str]],
         sent: float,
+        observer: Observer | None = None,
     ) -> Response:
         try:
             data = await _unless_disconnected(request, response.aread())
@@ -422,6 +507,8 @@ class Gateway:
         err = UpstreamError(
             upstream_error_message(status, data), status=gateway_status_for(status), upstream_status=status
         )
+        if observer is not None:
+            await observer.ended("upstream_error", status, message=str(err))
         self.metrics.upstream_errors.labels(err.code).inc()
         response_entry = ("response", data, self._response_headers(call, status, "upstream_error"))
         self._finish(
@@ -444,25 +531,35 @@ class Gateway:
         response: httpx.Response,
         request_entry: tuple[str, bytes, Mapping[str, str]],
         sent: float,
+        observer: Observer | None = None,
     ) -> AsyncIterator[bytes]:
-        """Pass the provider's bytes through as they come, keeping a copy for the raw tee."""
+        """Pass the provider's bytes through as they come, keeping a copy for the raw tee (and, in record mode,
+        logging each chunk once the client has been sent it)."""
         chunks: list[bytes] = []
         outcome = "forwarded"
         code: str | None = None
+        message = ""
         try:
             async for chunk in response.aiter_raw():
                 chunks.append(chunk)
                 yield chunk
+                if observer is not None:
+                    await observer.relayed(chunk)
+            if observer is not None:  # logged before the response ends: the session is free when the client is
+                # shielded: a client that hangs up after the last line must not cut the logging of its end short
+                await asyncio.shield(asyncio.ensure_future(observer.ended("forwarded", 200)))
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "client_disconnected"
             self.metrics.client_disconnects.inc()
             raise
         except httpx.HTTPError as exc:
             err = stream_error(exc, upstream.name, upstream.config.timeout_s)
-            outcome, code = "upstream_error", err.code
+            outcome, code, message = "upstream_error", err.code, str(err)
             self.metrics.upstream_errors.labels(err.code).inc()
             yield _sse_error(err, call.request_id)
         finally:
+            if observer is not None and outcome != "forwarded":  # its own task: this one may be cancelled
+                detach(observer.ended(outcome, 200, message=message))
             _close_later(response)
             tee_outcome = {"forwarded": "complete"}.get(outcome, outcome)
             response_entry = ("response", b"".join(chunks), self._response_headers(call, 200, tee_outcome))
@@ -621,6 +718,8 @@ def build_app(
             Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
             Route("/chat/completions", gateway.chat_completions, methods=["POST"]),
             Route("/v1/sessions/{session_id}/completions", gateway.session_completions, methods=["POST"]),
+            Route("/record/{session_id}/v1/chat/completions", gateway.recorder.completions, methods=["POST"]),
+            Route("/record/{session_id}/v1/models", gateway.recorder.models, methods=["GET"]),
             Route("/healthz", gateway.health, methods=["GET"]),
             Route("/metrics", gateway.prometheus, methods=["GET"]),
         ],

@@ -15,8 +15,8 @@ A script is a JSON array or JSONL file of replies, used in order (`cycle` repeat
 - `status` and `error`: answer that HTTP status with an OpenAI-style error instead;
 - `disconnect_after`: drop the connection after that many streamed chunks.
 
-When the script is used up the provider answers 500 "script exhausted". `GET /_scripted/requests` returns the
-bodies received; `POST /_scripted/script` replaces the script.
+When the script is used up the provider answers 500 "script exhausted". `GET /v1/models` lists its one model;
+`GET /_scripted/requests` returns the bodies received; `POST /_scripted/script` replaces the script.
 """
 
 from __future__ import annotations
@@ -150,6 +150,10 @@ class ScriptedProvider:
         self.load(replies)
         return JSONResponse({"replies": len(replies)})
 
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
+                                                         "owned_by": "scripted"}]})  # fmt: skip
+
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -158,6 +162,8 @@ class ScriptedProvider:
             routes=[
                 Route("/v1/chat/completions", self.completions, methods=["POST"]),
                 Route("/chat/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/models", self.models, methods=["GET"]),
                 Route("/_scripted/requests", self.requests, methods=["GET"]),
                 Route("/_scripted/script", self.replace_script, methods=["POST"]),
                 Route("/healthz", self.health, methods=["GET"]),

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Final
 
 import msgspec
 
-from sessionlog.errors import Conflict, InvalidRequest, SessionNotFound
+from sessionlog.errors import Conflict, InvalidRequest, SessionLogError, SessionNotFound
 from sessionlog.ids import check_session_id
 from sessionlog.leases import LeaseHeld, LeaseLost, Leases
 from sessionlog.log import RecordPublisher, SessionLog
@@ -23,6 +23,8 @@ from sessionlog.tasks import cancel_and_wait
 
 SERVICE: Final = "sessionlog-repair"
 REPAIRER_EPOCH: Final = 0  # every repairer publishes the same closers under the same message id
+RETRY_FIRST_S: Final = 1.0  # a session whose repair failed is tried again after this, doubling up to RETRY_MAX_S
+RETRY_MAX_S: Final = 300.0
 
 log = logging.getLogger("sessionlog.repairer")
 
@@ -60,6 +62,10 @@ class RepairerService(ProjectionService[RepairState]):
         self.leases = Leases(log_.js, self.settings.kv_leases, timeout=self.settings.request_timeout_s)
         self.repaired: list[tuple[str, int]] = []  # (session, closers) this replica landed
         self._free_since: dict[str, float] = {}
+        # Sessions whose last repair failed: (error, attempts, monotonic time of the next try). A corrupt log
+        # fails the same way every time; trying it every period would take its lease over and over for nothing.
+        self.unrepairable: dict[str, tuple[str, int, float]] = {}
+        self.corrupt: dict[str, str] = {}  # sessions the start-up listing could not read, with their error
         self._watch: asyncio.Task[None] | None = None
 
     async def _start(self) -> None:
@@ -74,12 +80,37 @@ class RepairerService(ProjectionService[RepairState]):
         """Every session whose last record says a turn is open: turns that no record of ours will ever show (a
         writer that died before this replica started, or before it took over the session's partition)."""
         for info in await self.log.sessions():
+            if info.error is not None:
+                if info.id not in self.corrupt:
+                    log.warning("session %s does not read, skipped: %s", info.id, info.error)
+                self.corrupt[info.id] = info.error
+                continue
+            self.corrupt.pop(info.id, None)
             if info.open_turn:
                 self.projection.open_turns.setdefault(info.id, info.open_turn)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._watch)
         await super().stop()
+
+    def health(self) -> dict[str, Any]:
+        health = super().health()
+        now = time.monotonic()
+        health["unrepairable"] = {
+            sid: {"error": error, "attempts": attempts, "retry_in_s": round(max(0.0, at - now), 1)}
+            for sid, (error, attempts, at) in sorted(self.unrepairable.items())
+        }
+        health["corrupt"] = dict(sorted(self.corrupt.items()))
+        return health
+
+    def _failed(self, session_id: str, err: Exception) -> None:
+        """Back off on a session whose repair failed: the next try waits twice as long as the last."""
+        _, attempts, _ = self.unrepairable.get(session_id, ("", 0, 0.0))
+        attempts += 1
+        delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (attempts - 1))
+        error = f"{err.code}: {err.message}" if isinstance(err, SessionLogError) else f"{type(err).__name__}: {err}"
+        self.unrepairable[session_id] = (error, attempts, time.monotonic() + delay)
+        log.warning("repair of %s failed (attempt %d, next in %.0fs): %s", session_id, attempts, delay, error)
 
     async def _close(self, body: dict[str, Any]) -> dict[str, Any]:
         session_id = body.get("session")
@@ -132,6 +163,9 @@ class RepairerService(ProjectionService[RepairState]):
             for session_id in list(self.projection.open_turns):
                 if not self.runner.owns(session_id):
                     continue
+                retry = self.unrepairable.get(session_id)
+                if retry is not None and now < retry[2]:
+                    continue
                 try:
                     held = await self.leases.current(session_id)
                 except Exception as err:  # the next round looks again
@@ -149,7 +183,9 @@ class RepairerService(ProjectionService[RepairState]):
                 except LeaseHeld:
                     continue  # a writer (or another repairer) took it meanwhile
                 except Exception as err:
-                    log.warning("repair of %s failed: %s", session_id, err)
+                    self._failed(session_id, err)
+                else:
+                    self.unrepairable.pop(session_id, None)
 
 
 async def serve(log_: SessionLog, **runner_options: Any) -> RepairerService:

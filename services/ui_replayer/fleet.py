@@ -31,10 +31,12 @@ import nats.errors
 from nats.js import api
 from nats.js.errors import NoKeysError, NotFoundError
 
+from sessionlog.errors import InvalidSessionId
+from sessionlog.ids import check_session_id
 from sessionlog.jsonl import decode_header
 from sessionlog.log import SessionLog
 from sessionlog.metrics import REQUESTS
-from sessionlog.record import H_COUNT, H_FIRST_SEQ, H_OPEN_TURN, session_of_subject
+from sessionlog.record import FORMAT, H_COUNT, H_FIRST_SEQ, H_FORMAT, H_OPEN_TURN, session_of_subject
 
 log = logging.getLogger("sessionlog.ui_replayer")
 
@@ -57,6 +59,7 @@ class SessionRow:
     open_turn: int | None = None
     last_activity: int | None = None  # ms: when its last record was stored (else its creation)
     stream_seq: int = 0  # of the last record seen
+    error: str | None = None  # `CODE: message` once a record of it does not read (the projections quarantine it)
 
     def activity(self) -> int:
         return self.last_activity or self.created_at
@@ -141,10 +144,20 @@ class FleetIndex:
     def take_record(self, subject: str, headers: dict[str, str], stream_seq: int, stored_ms: int | None) -> None:
         session_id = session_of_subject(subject)
         try:
+            check_session_id(session_id)
+        except InvalidSessionId:
+            return  # a subject no API can reach is no session (the projections quarantine it)
+        try:
+            if headers.get(H_FORMAT) != FORMAT:
+                raise ValueError(f"missing or unknown {H_FORMAT}")
             next_seq = int(headers[H_FIRST_SEQ]) + int(headers[H_COUNT])
             open_turn = int(headers.get(H_OPEN_TURN, "0"))
-        except (KeyError, ValueError):
-            return  # not a record: nothing to list
+        except (KeyError, ValueError) as exc:
+            # Anyone allowed to publish to the session's subject can store this: list the session as corrupt.
+            row = self._row(session_id)
+            if row.error is None:
+                row.error = f"CORRUPT_LOG: stream seq {stream_seq} is not a sessionlog record ({exc})"
+            return
         row = self._row(session_id)
         if stream_seq <= row.stream_seq:
             return

@@ -214,7 +214,9 @@ def _page(title: str, body: str, *, body_attrs: str = "", wide: bool = False) ->
     )
 
 
-def _state_badge(open_turn: int | None) -> str:
+def _state_badge(open_turn: int | None, error: str | None = None) -> str:
+    if error:  # a session that does not read: its code, the message on hover
+        return f'<span class="badge corrupt" title="{_e(error)}">{_e(error.split(":", 1)[0])}</span>'
     if open_turn:
         return f'<span class="badge open-turn">turn {open_turn} open</span>'
     return '<span class="badge closed">closed</span>'
@@ -692,7 +694,7 @@ def fleet_row(row: dict[str, Any]) -> str:
         f'<tr class="{"open" if row.get("open_turn") else "closed"}" data-id="{_e(sid)}">'
         f'<td><a class="session-link" href="{session_href(sid)}">{_e(sid)}</a>'
         f'<div class="title">{_e(row.get("title") or "")}</div></td>'
-        f'<td class="state">{_state_badge(row.get("open_turn"))}</td><td class="holder">{holder}</td>'
+        f'<td class="state">{_state_badge(row.get("open_turn"), row.get("error"))}</td><td class="holder">{holder}</td>'
         f'<td class="num events">{_num(row.get("events"))}</td>'
         f'<td class="when">{_e(_when(row.get("last_activity") or row.get("created_at")))}</td>'
         f'<td class="num tokens">{_num(row.get("tokens"))}</td><td class="num findings">{finding_cell}</td>'

@@ -382,6 +382,9 @@ class UIReplayerService(ProjectionService[UIState]):
             state = self.runner.states.get(row.id)
             item["title"] = state.builder.title if state is not None else None
             item["lease_holder"] = holders.get(row.id)
+            poisoned = self.runner.poisoned.get(row.id)
+            if item["error"] is None and poisoned is not None:  # a record only decoding showed to be bad
+                item["error"] = poisoned.reason
             if state is not None:
                 total = state.auditor.ledger().total
                 item["tokens"] = total.input_tokens + total.output_tokens

@@ -18,6 +18,7 @@ import openai
 from .events import Event
 from .log import SessionWriter
 from .wire import to_wire
+from .wireforms import ResponseAssembler
 
 Tool = Callable[[str], Awaitable[str]]
 
@@ -65,67 +66,18 @@ class Agent:
         )
         turn, step = self.turn, self.step
         chunks: list[int] = []
-        blocks: dict[str, int] = {}  # "reasoning" / "text" / call index -> block index
-        texts: dict[str, list[str]] = {"reasoning": [], "text": []}
-        calls: dict[int, dict[str, str]] = {}
-        usage: dict[str, int] | None = None
-        finish = "stop"
+        assembler = ResponseAssembler()  # the one assembler of OpenAI responses into dsh's chunks
 
         async def chunk(body: dict[str, Any]) -> None:
             chunks.append(await self.emit("assistant/chunk", {"turn": turn, "step": step, "chunk": body}))
 
-        async def block(key: str, block_type: str) -> int:
-            if key not in blocks:
-                blocks[key] = len(blocks)
-                await chunk({"type": "block-start", "index": blocks[key], "blockType": block_type})
-            return blocks[key]
-
         async for part in stream:
-            if part.usage is not None:
-                usage = {"inputTokens": part.usage.prompt_tokens, "outputTokens": part.usage.completion_tokens}
-            if not part.choices:
-                continue
-            choice = part.choices[0]
-            delta = choice.delta
-            reasoning = getattr(delta, "reasoning_content", None) or (delta.model_extra or {}).get("reasoning_content")
-            if reasoning:
-                index = await block("reasoning", "reasoning")
-                texts["reasoning"].append(reasoning)
-                await chunk({"type": "reasoning-delta", "index": index, "text": reasoning})
-            if delta.content:
-                index = await block("text", "text")
-                texts["text"].append(delta.content)
-                await chunk({"type": "text-delta", "index": index, "text": delta.content})
-            for call in delta.tool_calls or ():
-                slot = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
-                slot["id"] = call.id or slot["id"]
-                if call.function is not None:
-                    slot["name"] = call.function.name or slot["name"]
-                    slot["arguments"] += call.function.arguments or ""
-                index = await block(f"call{call.index}", "tool-call")
-                piece = call.function.arguments if call.function is not None else ""
-                delta_chunk = {
-                    "type": "tool-call-delta",
-                    "index": index,
-                    "id": slot["id"],
-                    "argumentsDelta": piece or "",
-                }
-                if call.function is not None and call.function.name:
-                    delta_chunk["name"] = call.function.name
-                await chunk(delta_chunk)
-            if choice.finish_reason:
-                finish = choice.finish_reason
-        content: list[dict[str, Any]] = []
-        if texts["reasoning"]:
-            content.append({"type": "reasoning", "text": "".join(texts["reasoning"])})
-        if texts["text"]:
-            content.append({"type": "text", "text": "".join(texts["text"])})
-        content += [{"type": "tool-call", **calls[i]} for i in sorted(calls)]
-        for key, index in blocks.items():
-            await chunk({"type": "block-end", "index": index, "block": _block_of(key, content, calls)})
-        if usage is not None:
-            await chunk({"type": "usage", "usage": usage})
-        await chunk({"type": "finish", "reason": {"kind": "tool-calls" if calls else finish}})
+            for body in assembler.chunk(part.model_dump()):
+                await chunk(body)
+        for body in assembler.end():
+            await chunk(body)
+        content = assembler.content()
+        usage = assembler.usage
         message = {
             "id": f"msg-{uuid.uuid4().hex[:8]}",
             "role": "assistant",
@@ -136,7 +88,8 @@ class Agent:
         if usage is not None:
             data["usage"] = usage
         await self.emit("assistant/message", data, surface_op="append", source_event_seqs=chunks)
-        return {"text": "".join(texts["text"]), "calls": [calls[i] for i in sorted(calls)]}
+        text = "".join(b["text"] for b in content if b["type"] == "text")
+        return {"text": text, "calls": assembler.calls()}
 
     async def run_tool(self, call: dict[str, str]) -> None:
         turn, step = self.turn, self.step
@@ -200,9 +153,3 @@ class Agent:
                 break
         await self.end_turn({"kind": "completed"})
         return answer
-
-
-def _block_of(key: str, content: list[dict[str, Any]], calls: dict[int, dict[str, str]]) -> dict[str, Any]:
-    if key.startswith("call"):
-        return {"type": "tool-call", **calls[int(key[4:])]}
-    return next(b for b in content if b["type"] == key)

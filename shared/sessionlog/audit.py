@@ -16,7 +16,9 @@ Findings (`Finding.code`):
   block assembles to its `block-end` block (the adapter's final word on it) or, without one, to its deltas joined.
   Empty text and reasoning blocks are ignored on both sides. A response cut short (no finish chunk, finish
   `max-tokens` or `error`, or a message marked `interrupted`) may leave out tool calls it had started: the message
-  must hold the other blocks, in order. A message with no chunks at all was not streamed and is not compared.
+  must hold the other blocks, in order. A message with no chunks at all was not streamed and is not compared with
+  chunks; a model's message that was not streamed is an attempt of its own (its blocks as it gives them), so the raw
+  response that answered it is compared with it (`RAW_STREAM_DIFFERS`) and its request is checked like any other.
 - `PROVENANCE_DOES_NOT_COVER_CHUNKS`: the message's `sourceEventSeqs` misses a chunk of its attempt, or names an
   event that is not a chunk of its step. Chunks of an earlier failed attempt of the step may be named or not.
 - `MESSAGE_USAGE_DIFFERS`: the message's usage is not its attempt's usage chunk.
@@ -80,6 +82,7 @@ from .record import (
 )
 from .session import DerivedMessages, FoldedHeader, Session
 from .wire import WireCache, compare_request
+from .wireforms import OPENAI_FINISH, usage_of
 
 MESSAGE_DIFFERS: Final = "MESSAGE_DIFFERS_FROM_CHUNKS"
 PROVENANCE_UNCOVERED: Final = "PROVENANCE_DOES_NOT_COVER_CHUNKS"
@@ -98,12 +101,14 @@ FINDING_CODES: Final = (
 
 COMPLETE_OUTCOME: Final = "complete"
 _PARTIAL_FINISHES: Final = frozenset({"max-tokens", "error"})
-_OPENAI_FINISH: Final = {
-    "stop": "stop",
-    "tool_calls": "tool-calls",
-    "length": "max-tokens",
-    "function_call": "tool-calls",
-}
+_OPENAI_FINISH: Final = OPENAI_FINISH
+
+
+class _RawModel(Struct):
+    model: Any = None
+
+
+_raw_model_decoder: Final = msgspec.json.Decoder(_RawModel)
 
 
 _BLOCK_TYPES: Final = {"TextBlock": "text", "ReasoningBlock": "reasoning", "ToolCallBlock": "tool-call"}
@@ -187,6 +192,10 @@ class AuditReport(Struct, frozen=True):
     findings: list[Finding]
     raw_exchanges: int
     raw_matched: int
+    # every exchange the provider answered (HTTP 200), counted from the raw tee, by the model it was sent; beside
+    # the log's ledger, and what differs between the two, in words
+    provider_ledger: Ledger | None = None
+    ledger_difference: list[str] = msgspec.field(default_factory=list)
 
 
 def _or0(value: int | Any) -> int:
@@ -442,6 +451,7 @@ class Attempt:
         "step",
         "turn",
         "usage",
+        "whole",
     )
 
     def __init__(self, event: Event, messages: DerivedMessages, header: FoldedHeader | None) -> None:
@@ -460,6 +470,7 @@ class Attempt:
         self.accounted = False
         self.last_index = -1  # the block the last text delta went to, and its parts: the hot path of a stream
         self.last_parts: list[str] = []
+        self.whole = False  # a message that was not streamed: no chunks, its blocks as the message gives them
 
     def block(self, index: int, block_type: str) -> _Block:
         block = self.blocks.get(index)
@@ -476,6 +487,8 @@ class Attempt:
     @property
     def cut_short(self) -> bool:
         interrupted = self.message is not None and self.message.data.interrupted is True
+        if self.whole:
+            return interrupted
         return interrupted or self.finish is None or self.finish in _PARTIAL_FINISHES
 
     @property
@@ -640,6 +653,8 @@ class SessionAuditor:
         self._unstreamed: list[Event] = []  # messages that took no attempt
         self._totals = TokenCounts()
         self._by_model: dict[tuple[str, str], TokenCounts] = {}
+        self._raw_totals = TokenCounts()
+        self._raw_by_model: dict[tuple[str, str], TokenCounts] = {}
         self._wire = WireCache()
 
     # ------------------------------------------------------------------------------------------ feeding
@@ -679,7 +694,7 @@ class SessionAuditor:
             self._chunk(event, session)
         elif kind == "assistant/message":
             if not event.is_replace:
-                self._message(event)
+                self._message(event, session)
         elif kind == "step/start":
             step = _Step(event.data.turn, event.data.step, event.seq)
             self.steps[(step.turn, step.step)] = step
@@ -771,7 +786,7 @@ class SessionAuditor:
 
     # ------------------------------------------------------------------------------------------ messages
 
-    def _message(self, event: Event) -> None:
+    def _message(self, event: Event, session: Session) -> None:
         data: AssistantMessageData = event.data
         step = self.steps.get((data.turn, data.step))
         attempt = step.untaken() if step is not None else None
@@ -779,6 +794,9 @@ class SessionAuditor:
             step.messages.append(event.seq)
         where = f"assistant/message at seq {event.seq} (step {data.turn}.{data.step})"
         seqs = event.source_event_seqs if isinstance(event.source_event_seqs, list) else []
+        if step is not None and attempt is None and not seqs and data.message.source.kind == "model":
+            self._whole_answer(event, step, session)
+            return
         if step is None or attempt is None:
             self._unstreamed.append(event)
             if data.usage is not UNSET:
@@ -839,6 +857,26 @@ class SessionAuditor:
                 data.turn,
                 data.step,
             )
+        self._account(attempt)
+        if self._pending:
+            self._match_pending()
+
+    def _whole_answer(self, event: Event, step: _Step, session: Session) -> None:
+        """A model's message that was not streamed: an attempt of its own, its blocks as it gives them, so a raw
+        exchange that answered it is compared with it and the ledger counts it like a streamed one."""
+        messages = session.derive_messages()
+        if messages and messages[-1].seq == event.seq:  # the request is what the prefix before it derives
+            before: Sequence[Any] = messages[: len(messages) - 1]
+        else:
+            before = messages
+        attempt = Attempt(event, before, session.fold_request_header())  # type: ignore[arg-type]
+        attempt.first_seq = event.seq
+        for index, block in enumerate(event.data.message.content):
+            attempt.block(index, _BLOCK_TYPES.get(type(block).__name__, "other")).end = block
+        attempt.message = event
+        attempt.closed = True
+        attempt.whole = True
+        step.attempts.append(attempt)
         self._account(attempt)
         if self._pending:
             self._match_pending()
@@ -906,9 +944,49 @@ class SessionAuditor:
             return
         self._seen_raw.add(exchange.request_id)
         self.raw_exchanges += 1
+        if exchange.status == 200:
+            self._count_raw(exchange)
         self._pending.append(exchange)
         self._pending.sort(key=lambda x: x.session_seq)
         self._match_pending()
+
+    def _count_raw(self, exchange: RawExchange) -> None:
+        """The provider ledger: one request per answered exchange, its tokens from the usage the provider sent."""
+        try:
+            model = _raw_model_decoder.decode(exchange.request).model if exchange.request else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            model = None
+        name = model if isinstance(model, str) and model else "unknown"
+        name = next((logged for logged, sent in self.model_aliases.items() if sent == name), name)
+        reported = usage_of(parse_raw_response(exchange.response).usage)
+        counts = self._raw_by_model.setdefault(("raw", name), TokenCounts())
+        for target in (self._raw_totals, counts):
+            if reported is not None:
+                target.add(msgspec.convert(reported, Usage))
+            else:
+                target.count_request()
+
+    def provider_ledger(self) -> Ledger:
+        by_model = [
+            ModelTokens(provider=p, model=m, tokens=msgspec.structs.replace(c))
+            for (p, m), c in sorted(self._raw_by_model.items())
+        ]
+        return Ledger(total=msgspec.structs.replace(self._raw_totals), by_model=by_model)
+
+    def ledger_difference(self, logged: Ledger) -> list[str]:
+        """What the provider was seen to answer (raw tee) and the log does not hold, or the reverse, in words."""
+        if not self.raw_exchanges:
+            return []
+        raw, mine = self._raw_totals, logged.total
+        out = []
+        for what, theirs, ours in (
+            ("requests", raw.requests, mine.requests),
+            ("input tokens", raw.input_tokens, mine.input_tokens),
+            ("output tokens", raw.output_tokens, mine.output_tokens),
+        ):
+            if theirs != ours:
+                out.append(f"{what}: the provider answered {theirs:,} (raw tee), the log holds {ours:,}")
+        return out
 
     def _attempt_after(self, seq: int) -> tuple[_Step | None, Attempt | None]:
         """The step open at `seq` and its first unmatched attempt that began after it."""
@@ -1074,16 +1152,19 @@ class SessionAuditor:
         )
 
     def report(self) -> AuditReport:
+        ledger = self.ledger()
         return AuditReport(
             session=self.session_id,
             seq=self.events - 1,
             events=self.events,
             chunks=self.chunks,
             steps=len(self.steps),
-            ledger=self.ledger(),
+            ledger=ledger,
             findings=list(self.findings),
             raw_exchanges=self.raw_exchanges,
             raw_matched=self.raw_matched,
+            provider_ledger=self.provider_ledger() if self.raw_exchanges else None,
+            ledger_difference=self.ledger_difference(ledger),
         )
 
 

@@ -120,6 +120,13 @@ class EventTooLarge(SessionLogError):
     code = "EVENT_TOO_LARGE"
 
 
+class EventTooDeep(SessionLogError):
+    """An event whose JSON nests deeper than `events.MAX_EVENT_DEPTH` containers (no agent event needs that many,
+    and every reader of the log would have to recurse that deep)."""
+
+    code = "EVENT_TOO_DEEP"
+
+
 class UnsupportedVersion(SessionLogError):
     """A session header version this build does not read."""
 

@@ -17,7 +17,12 @@ from typing import Annotated, Any, Final, Literal, Union
 import msgspec
 from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
-from .errors import InvalidEvent, UnknownEventType
+from .errors import EventTooDeep, InvalidEvent, UnknownEventType
+
+# The deepest an event's JSON may nest, counting the event object itself and `data` (so `data`'s own values get
+# 62 levels). dsh's logs nest 13 deep at most; decoders and projections recurse once per level, and at about 980
+# levels Python's recursion limit turned one record into a RecursionError in every projection (issue 11).
+MAX_EVENT_DEPTH: Final = 64
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
@@ -416,8 +421,12 @@ def decode_event(raw: bytes, position: int) -> Event:
     """Validate one event's bytes and return its typed view.
 
     `position` is where the event would stand in its log; it is the seq of an event without one and the seq
-    named in errors. Raises `InvalidEvent` or `UnknownEventType`.
+    named in errors. Raises `EventTooDeep`, `InvalidEvent` or `UnknownEventType`.
     """
+    if raw.count(b"[") + raw.count(b"{") > MAX_EVENT_DEPTH:  # the cheap bound first: most events stop here
+        check_depth(raw, position)
+    if not raw.isascii():
+        check_utf8(raw, position)
     try:
         typed: Any = _core_decoder.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -443,6 +452,55 @@ def decode_event(raw: bytes, position: int) -> Event:
     )
 
 
+_NOT_BRACKET: Final = bytes(b for b in range(256) if b not in b"[]{}")
+_AS_SQUARE: Final = bytes.maketrans(b"{}", b"[]")  # for depth, an object is a pair like an array
+
+
+def nests_deeper_than(raw: bytes, limit: int) -> bool:
+    """Whether JSON bytes nest more than `limit` objects and arrays, found without recursing.
+
+    Counting brackets costs two C-level scans; only bytes with more brackets than the limit (strings included)
+    pay for removing their strings, keeping the brackets, and taking off the innermost pairs once per level (each
+    pass removes every container that holds no other, so a value `d` deep is gone after `d` passes). Every step is
+    a C-level bytes operation."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    # Escaped backslashes go first (pairs from the left, as JSON reads them), then escaped quotes: every quote
+    # left opens or closes a string, so the even pieces between quotes are what lies outside strings.
+    unescaped = raw
+    if b"\\\\" in unescaped:
+        unescaped = unescaped.replace(b"\\\\", b"")
+    if b'\\"' in unescaped:
+        unescaped = unescaped.replace(b'\\"', b"")
+    brackets = b"".join(unescaped.split(b'"')[::2]).translate(_AS_SQUARE, _NOT_BRACKET)
+    for _ in range(limit):
+        reduced = brackets.replace(b"[]", b"")  # finds pairs in the bytes as they were: one level per pass
+        if not reduced or len(reduced) == len(brackets):
+            return False  # all gone within the limit (or not JSON: the decoder says so)
+        brackets = reduced
+    return b"[]" in brackets
+
+
+def check_depth(raw: bytes, position: int) -> None:
+    """Refuse an event whose JSON nests deeper than `MAX_EVENT_DEPTH` (`EVENT_TOO_DEEP`), before anything
+    recurses into it."""
+    if nests_deeper_than(raw, MAX_EVENT_DEPTH):
+        raise EventTooDeep(
+            f"event nests more than {MAX_EVENT_DEPTH} levels of JSON objects and arrays (the event and its "
+            "`data` count as two); flatten it, or store deep content as a string or a blob",
+            seq=position,
+        )
+
+
+def check_utf8(raw: bytes, position: int) -> None:
+    """Refuse bytes that are not UTF-8 (`INVALID_EVENT`): the decoders check only the strings they read, so
+    invalid bytes in a skipped field or an ignorable type's `data` would otherwise be kept and exported."""
+    try:
+        raw.decode()
+    except UnicodeDecodeError as exc:
+        raise InvalidEvent(f"the event is not valid UTF-8 (byte {exc.start}: {exc.reason})", seq=position) from None
+
+
 def _decode_slow(raw: bytes, position: int, fast_error: Exception) -> Event:
     """Plugin and ignorable types, and every refusal: decode the envelope alone, then the data by type, so the
     error names the type and the field."""
@@ -464,6 +522,8 @@ def _decode_slow(raw: bytes, position: int, fast_error: Exception) -> Event:
             data = decoder.decode(env.data)
         except msgspec.ValidationError as exc:
             raise InvalidEvent(f"{kind}: {_PATH_RE.sub('`$.data', str(exc))}", seq=seq) from None
+        except msgspec.DecodeError as exc:  # invalid UTF-8 inside `data`, which the envelope kept as raw bytes
+            raise InvalidEvent(f"{kind}: `data`: {exc}", seq=seq) from None
         # Envelope and data each decode alone but not together: a key given twice, read differently by the two.
         raise InvalidEvent(f"{kind}: the event does not decode as one envelope ({fast_error})", seq=seq)
     if is_known_type(kind):
@@ -549,18 +609,23 @@ def encode_new_event(
 ) -> bytes:
     """Encode an event this library creates, once: `seq`, `time`, `type`, `data`, then the surface keys.
 
-    `seq` or `time` of None leaves the key out (a log in recorder style has neither).
+    `seq` or `time` of None leaves the key out (a log in recorder style has neither). Data too deep to encode is
+    `EVENT_TOO_DEEP`, like bytes too deep to decode.
     """
-    return _encoder.encode(
-        _OrderedNewEvent(
-            seq=UNSET if seq is None else seq,
-            time=UNSET if time is None else time,
-            type=event_type,
-            data=data,
-            surfaceOp=surface_op,
-            sourceEventSeqs=source_event_seqs,
-        )
+    event = _OrderedNewEvent(
+        seq=UNSET if seq is None else seq,
+        time=UNSET if time is None else time,
+        type=event_type,
+        data=data,
+        surfaceOp=surface_op,
+        sourceEventSeqs=source_event_seqs,
     )
+    try:
+        return _encoder.encode(event)
+    except RecursionError:
+        raise EventTooDeep(
+            f"{event_type}: data nests deeper than the encoder can go (the limit is {MAX_EVENT_DEPTH} levels)", seq=seq
+        ) from None
 
 
 def canonical_json(value: Any) -> bytes:

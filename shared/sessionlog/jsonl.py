@@ -35,8 +35,8 @@ import msgspec
 import zstandard
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from .errors import Conflict, CorruptLog, InvalidEvent, UnsupportedVersion
-from .events import encode_new_event
+from .errors import Conflict, CorruptLog, EventTooDeep, InvalidEvent, UnsupportedVersion
+from .events import MAX_EVENT_DEPTH, encode_new_event
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 PathLike = str | os.PathLike[str]
@@ -110,13 +110,21 @@ def encode_header(header: SessionHeader) -> bytes:
 
 
 def decode_header(line: bytes) -> SessionHeader:
-    """Validate a header line. Raises `InvalidEvent` (seq None) or `UnsupportedVersion`."""
+    """Validate a header line. Raises `InvalidEvent` (seq None; bytes that are not UTF-8 too), `EventTooDeep`
+    (nested past the recursion limit) or `UnsupportedVersion`."""
+    if not line.isascii():
+        try:
+            line.decode()
+        except UnicodeDecodeError as exc:
+            raise InvalidEvent(f"line 1: the session header is not valid UTF-8 (byte {exc.start})") from None
     try:
         probe = _header_probe_decoder.decode(line)
     except msgspec.DecodeError:
         raise InvalidEvent(
             f'line 1: expected a session header {{"type":"session","version":0,...}}, got {_preview(line)}'
         ) from None
+    except RecursionError:  # no header field nests; only a hostile file gets this far
+        raise EventTooDeep("line 1: the session header nests deeper than a reader can follow") from None
     if probe.type != "session":
         got = "no type" if probe.type is UNSET else f"type {probe.type!r}"
         raise InvalidEvent(f'line 1: expected a session header (type "session"), got {got}')
@@ -130,6 +138,10 @@ def decode_header(line: bytes) -> SessionHeader:
         return _header_decoder.decode(line)
     except msgspec.ValidationError as exc:
         raise InvalidEvent(f"line 1: session header: {exc}") from None
+    except msgspec.DecodeError as exc:  # invalid UTF-8 in a string the probe skipped
+        raise InvalidEvent(f"line 1: session header: {exc}") from None
+    except RecursionError:
+        raise EventTooDeep("line 1: the session header nests deeper than a reader can follow") from None
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -321,7 +333,7 @@ def _unpack_row(row: _Row, out: list[bytes]) -> None:
 def _holds_turn_end(line: bytes) -> bool:
     try:
         return _line_decoder.decode(line).type == "turn/end"
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # not a line the decoder reads: look for the type in its bytes
         return _TURN_END_RE.search(line) is not None
 
 
@@ -408,6 +420,8 @@ def _parse(data: bytes, *, compressed: bool, stream_problem: str | None) -> Json
         except msgspec.DecodeError as exc:
             tear = (i, "an empty line" if not line else f"not an event line ({exc})")
             break
+        except RecursionError:  # far deeper than any event may nest (events.MAX_EVENT_DEPTH)
+            raise EventTooDeep(f"line {i + 1} nests more than {MAX_EVENT_DEPTH} levels of JSON", seq=i - 1) from None
         kind = head.type
         seq: Any = head.seq
         row: _Row | None = None

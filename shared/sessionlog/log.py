@@ -85,13 +85,15 @@ class LogFull(SessionLogError):
 
 @dataclass(frozen=True, slots=True)
 class SessionInfo:
-    """One line of `sessionlog sessions`."""
+    """One line of `sessionlog sessions`. `error` (`CODE: message`) marks a session whose last record or header
+    does not read; its other fields then say only what the header does."""
 
     id: str
     events: int
     open_turn: int | None
     parent: str | None
     created_at: int
+    error: str | None = None
 
 
 def now_ms() -> int:
@@ -190,22 +192,41 @@ class SessionLog:
             return []
         out: list[SessionInfo] = []
         for key in keys:
-            header = await self.header(key)
-            if header is None:
-                continue
-            parsed = decode_header(header)
-            last = await self.reader.last_record(key)
-            out.append(
-                SessionInfo(
-                    id=key,
-                    events=last.next_seq if last else 0,
-                    open_turn=(last.open_turn or None) if last else None,
-                    parent=parsed.parent_session if isinstance(parsed.parent_session, str) else None,
-                    created_at=parsed.created_at,
-                )
-            )
+            info = await self._session_info(key)
+            if info is not None:
+                out.append(info)
         out.sort(key=lambda s: (s.created_at, s.id), reverse=True)
         return out
+
+    async def _session_info(self, session_id: str) -> SessionInfo | None:
+        """One session's line; a session that does not read (a record anyone could publish to its subject) is
+        listed with its error instead of failing the whole listing. `LOG_UNAVAILABLE` is not a finding."""
+        try:
+            header = await self.header(session_id)
+        except LogUnavailable:
+            raise
+        except SessionLogError as err:
+            return SessionInfo(session_id, 0, None, None, 0, error=f"{err.code}: {err.message}")
+        if header is None:
+            return None
+        parent: str | None = None
+        created_at = 0
+        try:
+            parsed = decode_header(header)
+            parent = parsed.parent_session if isinstance(parsed.parent_session, str) else None
+            created_at = parsed.created_at
+            last = await self.reader.last_record(session_id)
+        except LogUnavailable:
+            raise
+        except SessionLogError as err:
+            return SessionInfo(session_id, 0, None, parent, created_at, error=f"{err.code}: {err.message}")
+        return SessionInfo(
+            id=session_id,
+            events=last.next_seq if last else 0,
+            open_turn=(last.open_turn or None) if last else None,
+            parent=parent,
+            created_at=created_at,
+        )
 
     # ---------------------------------------------------------------------------------- writing
 
@@ -218,9 +239,11 @@ class SessionLog:
         origin: str | None = None,
         delegation_depth: int = 0,
         created_at: int | None = None,
+        tenant: str | None = None,
     ) -> SessionWriter:
         """A new, empty session, visible at once, held by the returned writer. `origin` is absent or "subagent",
-        the only value dsh reads (any other makes dsh refuse the whole file)."""
+        the only value dsh reads (any other makes dsh refuse the whole file). `tenant` (the gateway's record mode) is
+        kept in the header: the session belongs to it."""
         if origin is not None and origin != "subagent":
             raise InvalidEvent(f'session header origin must be "subagent" or absent, got {origin!r}')
         if await self._require_absent(session_id) is not None:
@@ -236,6 +259,8 @@ class SessionLog:
         if origin is not None:
             header["origin"] = origin
         header["delegationDepth"] = delegation_depth
+        if tenant is not None:
+            header["tenant"] = tenant
         lease = await self._acquire(session_id)
         try:
             await self._publish_header(session_id, msgspec.json.encode(header))
@@ -245,12 +270,15 @@ class SessionLog:
         return SessionWriter(self, session_id, Session(), last_stream_seq=0, lease=lease)
 
     @translates_unavailable("open session {session_id}")
-    async def open(self, session_id: str) -> SessionWriter:
-        """Continue a session whose last turn is closed; one a crash left open needs `resume`."""
+    async def open(self, session_id: str, *, continue_open_turn: bool = False) -> SessionWriter:
+        """Continue a session whose last turn is closed; one a crash left open needs `resume`.
+
+        `continue_open_turn` takes over an open turn as it is (the gateway's record mode, whose turns stay open
+        between requests: the lease, now ours, says its last holder is gone or let it go)."""
         lease = await self._acquire(session_id)
         try:
             _, session, last = await self.load(session_id)
-            if session.open_turn is not None:
+            if session.open_turn is not None and not continue_open_turn:
                 raise OpenTurn(
                     f"session {session_id} has turn {session.open_turn} open; resume it to close the turn first"
                 )
@@ -364,9 +392,12 @@ class SessionLog:
         check_session_id(session_id)
         if await self.header(session_id) is None and await self.reader.last_record(session_id) is None:
             raise SessionNotFound(f"session {session_id} not found")
+        bucket = self.settings.kv_sessions
+        # The headers bucket refuses purge markers (a writer could send one too): its stream is purged, last.
         for stream, subject in (
             (self.settings.stream, events_filter(session_id)),
             (self.settings.raw_stream, raw_subject(session_id)),
+            (f"KV_{bucket}", f"$KV.{bucket}.{session_id}"),
         ):
             try:
                 await self.js.purge_stream(stream, subject=subject)
@@ -379,8 +410,6 @@ class SessionLog:
                     f"stream {stream} refuses purges ({err.description}); erasure needs streams created with "
                     "SESSIONLOG_ALLOW_PURGE=true"
                 ) from None
-        with contextlib.suppress(NotFoundError, KeyNotFoundError):
-            await self._kv_sessions.purge(session_id)
         await self.nc.publish(f"{PURGED_PREFIX}{session_id}", b"")
         await self.nc.flush()
 

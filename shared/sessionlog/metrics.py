@@ -22,6 +22,11 @@ APPLIED: Final = Counter("sessionlog_projection_applied_events_total", "Events a
 QUARANTINED: Final = Counter(
     "sessionlog_projection_quarantined_records_total", "Poison records quarantined by a projection", ["projection"]
 )
+CONSUMER_RESTARTS: Final = Counter(
+    "sessionlog_projection_consumer_restarts_total",
+    "Times a partition's consumer failed and was started again",
+    ["projection", "partition"],
+)
 LAG_EVENTS: Final = Gauge(
     "sessionlog_projection_lag_events", "Records of a partition not yet applied", ["projection", "partition"]
 )

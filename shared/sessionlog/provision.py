@@ -24,6 +24,11 @@ Decisions (2026-12):
   lets an update turn `deny_purge` on but never off, so this is decided when the stream is created; turning it on
   later is an operator's `nats stream edit`. A KV bucket or object store cannot deny purge: roll-ups (KV purge,
   object metadata) need the purge permission.
+- The headers bucket is write-once (2026-12-03): `discard_new_per_subject` with one message per key, and no
+  roll-ups, so no writer can overwrite, delete or purge another session's header (a writer role must be able to put
+  headers, and NATS permissions cannot tell a put from a delete or purge marker). `sessionlog purge` erases a header
+  with a filtered purge of the bucket's stream. An older bucket is reported as a mismatch (`nats stream edit` fixes
+  it: docs/operations.md).
 - Leases: per-message TTL (`allow_msg_ttl`) plus subject delete markers, so a lease that expires leaves a marker
   (`Nats-Marker-Reason: MaxAge`) that watchers see and a takeover can name as the expected last sequence.
   Markers live LEASE_MARKER_TTL_S and then vanish; an empty subject is as free as a marker.
@@ -283,6 +288,19 @@ def kv_stream_config(settings: Settings, bucket: str, *, history: int = 1, ttl_m
 
 _KV_CHECKED = ("subjects", "storage", "num_replicas", "max_msgs_per_subject", "max_age", "sealed", "mirror")
 _LEASE_CHECKED = (*_KV_CHECKED, "allow_msg_ttl", "subject_delete_marker_ttl")
+_WRITE_ONCE_FIELDS = ("discard_new_per_subject", "allow_rollup_hdrs")
+_HEADERS_CHECKED = (*_KV_CHECKED, "discard", *_WRITE_ONCE_FIELDS)
+
+
+def headers_stream_config(settings: Settings) -> dict[str, Any]:
+    """The session headers bucket: write-once keys. A writer must put headers, and a put, a delete marker and a
+    purge marker all publish to `$KV.<bucket>.<id>`, which permissions cannot tell apart; so the stream refuses a
+    second message on a key (`discard_new_per_subject`) and every roll-up. Erasure purges the stream (admin)."""
+    return {
+        **kv_stream_config(settings, settings.kv_sessions),
+        "discard_new_per_subject": True,
+        "allow_rollup_hdrs": False,
+    }
 
 
 def object_store_stream_config(settings: Settings, bucket: str) -> dict[str, Any]:
@@ -309,8 +327,8 @@ def resources(settings: Settings) -> list[Resource]:
             "kv",
             settings.kv_sessions,
             f"KV_{settings.kv_sessions}",
-            kv_stream_config(settings, settings.kv_sessions),
-            _KV_CHECKED,
+            headers_stream_config(settings),
+            _HEADERS_CHECKED,
         ),
         Resource(
             "kv",
@@ -370,6 +388,11 @@ def mismatch_error(mismatches: dict[str, list[FieldDifference]]) -> StreamMismat
         "Provisioning changed nothing. Make the settings match the existing streams, or migrate: a new "
         "partition count, storage or replica layout means a new stream sourced from the old one."
     )
+    if any(d.field in _WRITE_ONCE_FIELDS for diffs in mismatches.values() for d in diffs):
+        advice += (
+            " A session headers bucket from before write-once headers takes discard_new_per_subject=true and "
+            "allow_rollup_hdrs=false as an update in place (docs/operations.md, 'Write-once session headers')."
+        )
     return StreamMismatch(" | ".join(lines) + ". " + advice, differences=mismatches)
 
 

@@ -84,6 +84,7 @@ class PullFeed:
         self._waiter: asyncio.Future[None] | None = None
         self._outstanding = 0  # requested and not yet delivered (nor ended by a status)
         self._last_heard = time.monotonic()
+        self._heard_at = self._last_heard  # unlike _last_heard, not reset when the feed pulls again
         self._retry_at = 0.0
         self._gone = ""  # why the consumer is gone, once the server said so
 
@@ -123,7 +124,7 @@ class PullFeed:
         msgs, self._arrived = self._arrived, []
         out: list[Delivery] = []
         if msgs:
-            self._last_heard = time.monotonic()
+            self._last_heard = self._heard_at = time.monotonic()
         for msg in msgs:
             headers = msg.headers
             if not msg.data and headers and STATUS in headers:
@@ -139,6 +140,10 @@ class PullFeed:
             self._last_heard = time.monotonic()
         await self._top_up()
         return out
+
+    def silent_for(self) -> float:
+        """Seconds since the consumer last sent anything (a delivery, a status or a heartbeat)."""
+        return time.monotonic() - self._heard_at
 
     async def ack(self, last: Delivery) -> None:
         """Acknowledge `last` and, under AckPolicy.ALL, everything delivered before it; nothing waits for a reply."""

@@ -13,7 +13,8 @@ from typing import Final
 
 import msgspec
 
-from .errors import CorruptLog
+from .errors import CorruptLog, EventTooDeep
+from .events import MAX_EVENT_DEPTH
 
 FORMAT: Final = "1"
 H_FORMAT: Final = "Sessionlog-Format"
@@ -148,6 +149,12 @@ def decode_record(stream_seq: int, subject: str, headers: Mapping[str, str] | No
         events = tuple(bytes(raw) for raw in _events_decoder.decode(payload))
     except msgspec.DecodeError as exc:
         raise CorruptLog(f"{where}: payload is not a JSON array of events: {exc}") from None
+    except RecursionError:
+        # Splitting recurses into each event; one far past the limit meets Python's own first. Events within
+        # reach are checked one by one when decoded (events.check_depth), so no record pays for a scan here.
+        raise EventTooDeep(
+            f"{where}: an event nests more than {MAX_EVENT_DEPTH} levels of JSON objects and arrays"
+        ) from None
     if len(events) != count:
         raise CorruptLog(f"{where}: header says {count} events, payload holds {len(events)}")
     return Record(

@@ -15,9 +15,15 @@ by a `SessionState` with `apply(record)`. The runner feeds it:
   partition. Because every session state can be rebuilt from the stream on demand, the checkpoint needs no
   state blob to be worth something: a restart resumes after it and rebuilds each session when it is touched.
   `rebuild=True` replays the partition from stream seq 1; `from_seq` starts anywhere;
-- a poison record (undecodable, or refused by the session library) is quarantined with its stream seq and
-  reason (KV `<projection>.quarantine.<seq>`, a metric, `runner.quarantined`); its session is marked poisoned,
-  and every other session goes on;
+- a poison record (undecodable, refused by the session library, under a session id the API refuses, or one
+  whose applying raised anything at all) is quarantined with its stream seq and reason (KV
+  `<projection>.quarantine.<seq>`, a metric, `runner.quarantined`, reloaded from KV at start); its session is
+  marked poisoned, and every other session goes on. A log that does not answer (`LOG_UNAVAILABLE`) is never a
+  reason: the partition stops where it is and consumes again, with backoff;
+- each partition's consumer is supervised: whatever ends it is logged and counted
+  (`sessionlog_projection_consumer_restarts_total`) and it starts again with backoff; a partition that is not
+  being consumed (failed, or hearing nothing from its consumer) is `stalled` in `health()`, which is then not
+  ready;
 - ownership: a fixed set of partitions (`SESSIONLOG_PARTITIONS=0-7`), or claimed through the lease bucket
   (`partition.<projection>.<N>`) so replicas split the partitions and a survivor takes over a dead replica's
   partitions once their leases expire. Replicas find each other with a presence request on
@@ -46,12 +52,14 @@ import nats.errors
 from nats.js import api
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from .errors import CorruptLog, SessionLogError
+from .errors import CorruptLog, InvalidSessionId, LogUnavailable, SessionLogError
+from .ids import check_session_id
 from .leases import Lease, LeaseHeld, LeaseLost, Leases
 from .log import PURGED_PREFIX, SessionLog
-from .metrics import APPLIED, LAG_EVENTS, LAG_SECONDS, QUARANTINED
+from .metrics import APPLIED, CONSUMER_RESTARTS, LAG_EVENTS, LAG_SECONDS, QUARANTINED
 from .provision import partition_of
 from .pull import ConsumerGone, Delivery, PullFeed
+from .quarantine import Quarantined, entries, key
 from .record import Record, decode_record, partition_filter, session_of_subject
 from .tasks import cancel_and_wait
 
@@ -63,6 +71,10 @@ PULL_EXPIRES_S: Final = 10.0  # a pull request's life; the feed sends the next b
 PULL_HEARTBEAT_S: Final = 1.0  # idle heartbeats; none for three of these and the feed pulls again
 IDLE_WAKE_S: Final = 0.25  # an idle partition still wakes this often (lag metric, checkpoint, stop)
 STOP_GRACE_S: Final = 5.0  # a graceful stop waits this long for the record in hand, then cancels
+RETRY_FIRST_S: Final = 0.5  # a consumer that failed starts again after this, doubling up to RETRY_MAX_S
+RETRY_MAX_S: Final = 10.0
+SILENT_S: Final = 3 * PULL_HEARTBEAT_S + 1.0  # no delivery nor heartbeat for this long: the partition is stalled
+HEALTH_QUARANTINE: Final = 20  # the most recent quarantined records `health()` lists
 
 # The FNV loop of partition_of, once per session rather than once per query.
 _partition_of: Final = functools.lru_cache(maxsize=1 << 16)(partition_of)
@@ -100,13 +112,6 @@ class Projection(ABC, Generic[S]):
 
 
 @dataclass(slots=True)
-class Quarantined:
-    stream_seq: int
-    session_id: str
-    reason: str
-
-
-@dataclass(slots=True)
 class _Partition:
     number: int
     applied: int = 0  # last stream seq applied and acknowledged
@@ -121,6 +126,8 @@ class _Partition:
     saving: asyncio.Task[None] | None = None  # the checkpoint write in flight
     lag_events: Any = None  # the partition's metric children, looked up once
     lag_seconds: Any = None
+    stalled: str | None = None  # why the partition is not being consumed right now (None: it is)
+    restarts: Any = None
 
 
 def _settle(future: asyncio.Future[None]) -> None:
@@ -166,6 +173,7 @@ class ProjectionRunner(Generic[S]):
         self.states: OrderedDict[str, S] = OrderedDict()
         self.poisoned: dict[str, Quarantined] = {}
         self.quarantined: list[Quarantined] = []
+        self._quarantined_seqs: set[int] = set()
         self._partitions: dict[int, _Partition] = {}
         self._loading: dict[str, asyncio.Task[S | None]] = {}
         # Per session, a heap of (seq, tiebreak, future): applying a record pops only the waiters it satisfies.
@@ -186,6 +194,7 @@ class ProjectionRunner(Generic[S]):
     async def start(self) -> None:
         self._running = True
         self._kv = await self.log.js.key_value(self.settings.kv_checkpoints)
+        await self._recall_quarantine()
         self._purges = await self.log.nc.subscribe(f"{PURGED_PREFIX}*", cb=self._on_purge)
         if self.claim:
             self._presence = await self.log.nc.subscribe(f"sessionlog.replicas.{self.name}", cb=self._answer_presence)
@@ -223,17 +232,32 @@ class ProjectionRunner(Generic[S]):
         for part in list(self._partitions.values()):
             await asyncio.wait_for(part.ready.wait(), timeout)
 
+    @property
+    def stalled(self) -> dict[int, str]:
+        """Owned partitions that are not being consumed right now, and why."""
+        out: dict[int, str] = {}
+        for part in self._partitions.values():
+            if part.task is not None and part.task.done() and self._running and not part.stopping:
+                out[part.number] = "its consumer task ended"
+            elif part.stalled is not None:
+                out[part.number] = part.stalled
+        return out
+
     def health(self) -> dict[str, Any]:
         lag = {p.number: p.pending for p in self._partitions.values()}
+        stalled = self.stalled
         return {
             "projection": self.name,
             "replica": self.replica_id,
-            "ready": all(p.ready.is_set() for p in self._partitions.values()) and self.started.is_set(),
+            "ready": all(p.ready.is_set() for p in self._partitions.values()) and self.started.is_set() and not stalled,
             "live": self._running,
             "partitions": self.owned,
+            "stalled": sorted(stalled),
+            "stalled_reasons": {str(n): why for n, why in sorted(stalled.items())},
             "lag_events": lag,
             "sessions": len(self.states),
             "quarantined": len(self.quarantined),
+            "quarantine": [q.to_dict() for q in self.quarantined[-HEALTH_QUARANTINE:]],
         }
 
     # ---------------------------------------------------------------------------------- queries
@@ -246,7 +270,10 @@ class ProjectionRunner(Generic[S]):
             return state
         if session_id in self.poisoned:
             raise CorruptLog(f"session {session_id} is quarantined: {self.poisoned[session_id].reason}")
-        return await self._load(session_id)
+        state = await self._load(session_id)
+        if state is None and session_id in self.poisoned:  # the load met a record it could not apply
+            raise CorruptLog(f"session {session_id} is quarantined: {self.poisoned[session_id].reason}")
+        return state
 
     async def wait_for(self, session_id: str, seq: int, timeout: float) -> S:
         """The session's state once it has applied session seq `seq` (bounded by `timeout`)."""
@@ -325,16 +352,17 @@ class ProjectionRunner(Generic[S]):
         return state
 
     def _apply_to(self, state: S, record: Record) -> bool:
-        """Apply one record to a state; quarantine and poison the session when it is refused."""
+        """Apply one record to a state; quarantine and poison the session when it is refused, or when applying it
+        raises anything at all (applying is pure: the same record would fail the same way on every replay)."""
         try:
             state.apply(record)
-        except SessionLogError as err:
-            self._quarantine(record.stream_seq, state.session_id, f"{err.code}: {err.message}")
+            state.last_stream_seq = record.stream_seq
+            state.next_seq = record.next_seq
+            self._applied_events.inc(len(record.events))
+            self.projection.on_applied(state, record)
+        except Exception as err:
+            self._quarantine(record.stream_seq, state.session_id, _reason(err))
             return False
-        state.last_stream_seq = record.stream_seq
-        state.next_seq = record.next_seq
-        self._applied_events.inc(len(record.events))
-        self.projection.on_applied(state, record)
         return True
 
     def _apply_live(self, record: Record) -> bool:
@@ -387,8 +415,10 @@ class ProjectionRunner(Generic[S]):
                 else:
                     self._forget(session_id)
                     await self._load(session_id)
-        except SessionLogError as err:  # the stream itself does not read as a log: quarantine, go on
-            self._quarantine(record.stream_seq, session_id, f"reloading the session failed: {err.code}: {err.message}")
+        except LogUnavailable:
+            raise  # transient: the partition stops here and consumes this record again once the log answers
+        except Exception as err:
+            self._quarantine(record.stream_seq, session_id, f"reloading the session failed: {_reason(err)}")
 
     def _resolve(self, state: S) -> None:
         waiters = self._waiters.get(state.session_id)
@@ -403,15 +433,32 @@ class ProjectionRunner(Generic[S]):
             del self._waiters[state.session_id]
 
     def _quarantine(self, stream_seq: int, session_id: str, reason: str) -> None:
-        entry = Quarantined(stream_seq=stream_seq, session_id=session_id, reason=reason)
-        self.quarantined.append(entry)
+        entry = Quarantined(stream_seq=stream_seq, session_id=session_id, reason=reason, projection=self.name)
         self.poisoned.setdefault(session_id, entry)
         self._forget(session_id)
+        if stream_seq in self._quarantined_seqs:
+            return  # met again (a reload, a replay after a restart): listed and counted once
+        self._quarantined_seqs.add(stream_seq)
+        self.quarantined.append(entry)
         QUARANTINED.labels(self.name).inc()
         log.warning("%s: quarantined stream seq %d of session %s: %s", self.name, stream_seq, session_id, reason)
         if self._kv is not None:
-            body = json.dumps({"stream_seq": stream_seq, "session": session_id, "reason": reason}).encode()
-            asyncio.get_running_loop().create_task(self._kv_put(f"{self.name}.quarantine.{stream_seq}", body))
+            asyncio.get_running_loop().create_task(self._kv_put(key(self.name, stream_seq), entry.body()))
+
+    async def _recall_quarantine(self) -> None:
+        """What this projection quarantined before a restart, so health and stats report the same list. Sessions
+        are not poisoned from it: a session touched again meets its bad record again (state is rebuildable)."""
+        try:
+            found = await entries(
+                self.log.nc, self.settings.kv_checkpoints, projection=self.name, timeout=self.settings.request_timeout_s
+            )
+        except SessionLogError as err:
+            log.warning("%s: could not read the quarantine list: %s", self.name, err)
+            return
+        for entry in found:
+            if entry.stream_seq not in self._quarantined_seqs:
+                self._quarantined_seqs.add(entry.stream_seq)
+                self.quarantined.append(entry)
 
     async def _kv_put(self, key: str, value: bytes) -> None:
         with contextlib.suppress(Exception):
@@ -425,6 +472,7 @@ class ProjectionRunner(Generic[S]):
         part = _Partition(number=number, lease=lease)
         part.lag_events = LAG_EVENTS.labels(self.name, str(number))
         part.lag_seconds = LAG_SECONDS.labels(self.name, str(number))
+        part.restarts = CONSUMER_RESTARTS.labels(self.name, str(number))
         self._partitions[number] = part
         part.task = asyncio.create_task(self._consume(part), name=f"{self.name}-p{number}")
 
@@ -484,35 +532,56 @@ class ProjectionRunner(Generic[S]):
             part.saving = asyncio.create_task(self._checkpoint(part))
 
     async def _consume(self, part: _Partition) -> None:
-        start = await self._start_seq(part)
-        part.applied = start - 1
-        part.checkpointed = part.applied
+        """The partition's consumer, supervised: whatever ends `_follow` (JetStream not answering, the consumer
+        deleted, a bug) is logged and counted, and it starts again from what is applied, after a backoff that
+        doubles while it keeps failing. It goes on only while the partition is still ours: a replica that took it
+        over recreates the same durable, and must not have it deleted again."""
+        backoff = RETRY_FIRST_S
+        started = False
         while self._running and not part.stopping and not self.log.nc.is_closed:
+            applied_before = part.applied
             try:
+                if not started:
+                    start = await self._start_seq(part)
+                    part.applied = start - 1
+                    part.checkpointed = part.applied
+                    started = True
                 await self._follow(part, part.applied + 1)
                 return
-            except (ConsumerGone, nats.errors.Error, SessionLogError) as err:
-                # The consumer was deleted under us, or JetStream did not answer (a leader election, a reconnect).
-                # Go on from what is applied, but only while the partition is still ours: a replica that took it
-                # over recreates the same durable, and must not have it deleted again.
-                if part.lease is not None:
-                    held = part.lease
-                    try:  # a read: refreshing is the claim loop's, and two refreshes would fence each other
-                        now = await self._leases.current(held.session_id)
-                    except Exception as lease_err:  # the lease bucket is down too: the next try finds out
-                        log.debug("%s: partition %d: lease read failed: %s", self.name, part.number, lease_err)
-                        now = held
-                    if now is None or now.epoch != held.epoch:
-                        log.warning("%s: partition %d: %s, and its lease is lost", self.name, part.number, err)
-                        return  # the claim loop disowns it
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                part.stalled = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+                part.restarts.inc()
+                if isinstance(err, (nats.errors.Error, SessionLogError, ConsumerGone)):
+                    log.warning("%s: partition %d: %s", self.name, part.number, part.stalled)
+                else:
+                    log.exception("%s: partition %d: consumer failed", self.name, part.number)
+                if not await self._still_ours(part):
+                    log.warning("%s: partition %d: its lease is lost", self.name, part.number)
+                    return  # the claim loop disowns it
+                if part.applied > applied_before:
+                    backoff = RETRY_FIRST_S  # it got somewhere before failing: not a failure loop
                 log.warning(
-                    "%s: partition %d: %s; consuming again from stream seq %d",
+                    "%s: partition %d: consuming again from stream seq %d in %.1fs",
                     self.name,
                     part.number,
-                    err or type(err).__name__,
                     part.applied + 1,
+                    backoff,
                 )
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(backoff)
+                backoff = min(RETRY_MAX_S, backoff * 2)
+
+    async def _still_ours(self, part: _Partition) -> bool:
+        if part.lease is None:
+            return True
+        held = part.lease
+        try:  # a read: refreshing is the claim loop's, and two refreshes would fence each other
+            now = await self._leases.current(held.session_id)
+        except Exception as lease_err:
+            log.debug("%s: partition %d: lease read failed: %s", self.name, part.number, lease_err)
+            return True
+        return now is not None and now.epoch == held.epoch
 
     async def _follow(self, part: _Partition, start: int) -> None:
         durable = f"{self.name}-p{part.number}"
@@ -530,6 +599,7 @@ class ProjectionRunner(Generic[S]):
             inactive_threshold=300,
         )
         info = await js.add_consumer(self.settings.stream, config)
+        part.stalled = None
         part.pending = info.num_pending or 0
         if part.pending == 0:
             part.ready.set()
@@ -558,6 +628,11 @@ class ProjectionRunner(Generic[S]):
                         if part.pending == 0:
                             part.ready.set()
                 self._update_lag(part)
+                silent = feed.silent_for()
+                if silent > SILENT_S or not self.log.nc.is_connected:
+                    part.stalled = f"no delivery or heartbeat from its consumer for {silent:.0f}s"
+                elif part.stalled is not None:
+                    part.stalled = None
                 now = time.monotonic()
                 if now - last_checkpoint >= CHECKPOINT_EVERY_S:
                     self._checkpoint_soon(part)
@@ -573,18 +648,29 @@ class ProjectionRunner(Generic[S]):
                 break  # graceful stop: the record in hand is finished; the rest comes again after the checkpoint
             seq = item.stream_seq
             if seq > part.applied:
-                msg = item.msg
-                try:
-                    record = decode_record(seq, msg.subject, msg.headers, msg.data)
-                except SessionLogError as err:
-                    self._quarantine(seq, session_of_subject(msg.subject), f"{err.code}: {err.message}")
-                else:
-                    if not self._apply_live(record):
-                        await self._apply_record(record)  # the session must be loaded from the stream first
+                await self._apply_delivery(item)
                 part.applied = seq
                 part.last_time = item.time_ns / 1e9
             done = item
         return done
+
+    async def _apply_delivery(self, item: Delivery) -> None:
+        """Apply one delivered record, or quarantine it, whatever goes wrong; only `LOG_UNAVAILABLE` (a log
+        that does not answer while the session is reloaded) propagates, so the record is consumed again later."""
+        msg = item.msg
+        session_id = session_of_subject(msg.subject)
+        try:
+            check_session_id(session_id)  # the stream takes any token; nothing the API cannot reach is kept
+            record = decode_record(item.stream_seq, msg.subject, msg.headers, msg.data)
+            if not self._apply_live(record):
+                await self._apply_record(record)  # the session must be loaded from the stream first
+        except LogUnavailable:
+            raise
+        except InvalidSessionId as err:
+            self._quarantine(item.stream_seq, session_id, _reason(err))
+            self.poisoned.pop(session_id, None)  # no API can ask for it: nothing to remember it by
+        except Exception as err:
+            self._quarantine(item.stream_seq, session_id, _reason(err))
 
     def _update_lag(self, part: _Partition) -> None:
         part.lag_events.set(part.pending)
@@ -671,3 +757,10 @@ class ProjectionRunner(Generic[S]):
             for session_id in [s for s, t in self._last_access.items() if t < cutoff]:
                 if session_id not in self._waiters:
                     self._forget(session_id)
+
+
+def _reason(err: BaseException) -> str:
+    """A quarantine reason: the code and message of a typed refusal, else the exception's type and text."""
+    if isinstance(err, SessionLogError):
+        return f"{err.code}: {err.message}"
+    return f"{type(err).__name__}: {err}"

@@ -220,6 +220,30 @@ class Settings(BaseSettings):
     gateway_raw_tee: bool = Field(
         default=True, description="Gateway: publish the exact request and response bytes to the raw audit stream."
     )
+    gateway_history_edits: Literal["record", "refuse"] = Field(
+        default="record",
+        description="Gateway record mode: a request whose messages do not extend the log (a compaction, truncation "
+        "or edit by the client) is logged as a view replacement (`record`) or refused with 409 "
+        "`DERIVATION_DIVERGES` (`refuse`).",
+    )
+    gateway_keys: dict[str, str] = Field(
+        default_factory=dict,
+        repr=False,
+        description='Gateway API keys of tenants, as JSON `{"<sha256 hex of the key>": "<tenant>"}`; a session '
+        "belongs to the tenant whose key created it.",
+        json_schema_extra={"doc_default": "`{}`"},
+    )
+    gateway_keys_file: Path | None = Field(
+        default=None,
+        description="File of gateway API keys of tenants: one `TENANT SHA256_HEX_OF_KEY` per line (`#` comments); "
+        "read with `SESSIONLOG_GATEWAY_KEYS`.",
+    )
+    gateway_record_idle_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Gateway record mode: seconds a session's writer (and its lease) stays held while no request "
+        "comes; another replica asks for it sooner.",
+    )
 
     # --- provider --------------------------------------------------------------------------------------------
     provider_base_url: str = Field(

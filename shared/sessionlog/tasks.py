@@ -31,3 +31,16 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None, *, recancel_s: float =
         await asyncio.wait({task}, timeout=recancel_s)
     if not task.cancelled() and (error := task.exception()) is not None:
         log.warning("task %s ended with %s: %s", task.get_name(), type(error).__name__, error)
+
+
+def detach(coroutine: Any, name: str | None = None) -> asyncio.Task[Any]:
+    """Run `coroutine` in a task of its own (the caller may be a task being cancelled); a failure is logged, never
+    left unretrieved."""
+    task = asyncio.get_running_loop().create_task(coroutine, name=name)
+
+    def done(finished: asyncio.Task[Any]) -> None:
+        if not finished.cancelled() and (error := finished.exception()) is not None:
+            log.warning("task %s ended with %s: %s", finished.get_name(), type(error).__name__, error)
+
+    task.add_done_callback(done)
+    return task

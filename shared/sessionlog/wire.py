@@ -28,13 +28,15 @@ The rest of the request comes from the folded header:
   value counts as absent (a JavaScript `undefined` that reached the log). `adapterDefaults` only says which values
   the adapter filled in; the values themselves are in `config`.
 - `header.tools` (when not empty) become `[{"type": "function", "function": {"name", "description",
-  "parameters"}}]`, `description` and `parameters` only when the tool has them.
+  "parameters", "strict"}}]`, `description`, `parameters` and `strict` only when the tool has them.
 
 The comparison is on canonical JSON (sorted keys, compact separators, UTF-8). The `messages` array, system message
 included, is compared as a whole: any difference there is `DERIVATION_DIVERGES`. Every other request field must
 equal what the header gives, so a `tool_choice`, `seed` or `response_format` that the log does not hold is
-`HEADER_DIVERGES`; only the transport fields (`stream`, `stream_options`) are left out of the comparison. Numbers
-compare as JSON does after canonicalisation: `1` and `1.0` differ, as they do on the wire.
+`HEADER_DIVERGES`; only the transport fields (`stream`, `stream_options`) are left out of the comparison. When the
+bytes differ, the request is compared again under `sessionlog.wireforms`' equivalence (null content, text-part
+arrays, a tool message's `name`, `1.0` for `1`): only what really differs is refused. Dropped reasoning is a
+difference here (the client wrote the log itself); record mode, whose client did not, accepts it.
 
 Speed: a `WireCache` (one per session) keeps the canonical wire fragment of every surface node (keyed by the logged
 message bytes, so a message is converted and encoded once) and the joined `messages` bytes of the last derivation it
@@ -56,10 +58,15 @@ from typing import Any, Final
 import msgspec
 
 from .errors import DerivationDiverges, HeaderDiverges, InvalidRequest, SessionLogError, UnsupportedContent
-from .events import ImageBlock, ReasoningBlock, TextBlock, ToolCallBlock, ToolResultBlock
+from .events import ImageBlock, ReasoningBlock, TextBlock, ToolCallBlock, ToolResultBlock, nests_deeper_than
 from .session import DerivedMessage, DerivedMessages, FoldedHeader
+from .wireforms import canonical as normal_canonical
+from .wireforms import normal_message, wire_tool
 
 TRANSPORT_FIELDS: Final = frozenset({"stream", "stream_options"})
+# The deepest request body the gateway reads. Past Python's recursion limit (about 1,000) every decoder and the
+# comparison raise RecursionError (a 500); 128 leaves room for tools' JSON schemas nested 60 properties deep.
+MAX_REQUEST_DEPTH: Final = 128
 PHRASE: Final = "diverges from the dispatch-time durable derivation"
 
 _encoder: Final = msgspec.json.Encoder(order="sorted")
@@ -150,14 +157,7 @@ def header_fields(header: FoldedHeader) -> tuple[str | None, dict[str, Any]]:
     out: dict[str, Any] = {"model": config.get("model")}
     tools = data.get("tools")
     if tools:
-        wire_tools = []
-        for tool in tools:
-            function = {"name": tool["name"]}
-            for key in ("description", "parameters"):
-                if tool.get(key) is not None:
-                    function[key] = tool[key]
-            wire_tools.append({"type": "function", "function": function})
-        out["tools"] = wire_tools
+        out["tools"] = [wire_tool(tool) for tool in tools]
     for key, value in config.items():
         if key in ("provider", "model") or value is None:
             continue
@@ -381,6 +381,8 @@ def parse_request(body: bytes | Mapping[str, Any], *, lazy: bool = False) -> dic
     """
     if isinstance(body, Mapping):
         return dict(body)
+    if nests_deeper_than(body, MAX_REQUEST_DEPTH):
+        raise InvalidRequest(f"the request body nests more than {MAX_REQUEST_DEPTH} levels of JSON objects and arrays")
     if lazy:
         try:
             fields = _top_decoder.decode(body)
@@ -431,11 +433,15 @@ def compare_request(
             if actual_bytes == expected_messages:
                 cache._share(expected_messages)
                 return _compare_fields(request, header, cache)
+            if actual_bytes is not None and _equivalent_messages(msgspec.json.decode(actual_bytes), expected_messages):
+                return _compare_fields(request, header, cache)
             actual_messages = msgspec.json.decode(actual_messages)  # only to name the difference
         except msgspec.DecodeError as exc:
             raise InvalidRequest(f"the request body is not JSON: {exc}") from None
     _check_messages_shape(actual_messages)
-    if _encoder.encode(actual_messages) != expected_messages:
+    if _encoder.encode(actual_messages) != expected_messages and not _equivalent_messages(
+        actual_messages, expected_messages
+    ):
         expected_list = msgspec.json.decode(expected_messages)
         found = first_difference(expected_list, actual_messages, "$.messages")
         if found is None:  # pragma: no cover - equal plain data always encodes equally
@@ -456,6 +462,19 @@ def compare_request(
     return _compare_fields(request, header, cache)
 
 
+def _equivalent_messages(actual: Any, expected: bytes) -> bool:
+    """Whether a request's messages, which are not byte-equal to the derivation's, carry the same thing in other
+    wire forms (`sessionlog.wireforms`: null content, text-part arrays, a tool `name`, `1.0` for `1`). Reasoning
+    stays strict here: a client that wrote its log itself sends what it logged."""
+    if not isinstance(actual, list):
+        return False
+    try:
+        normal = [normal_message(m) for m in actual]
+    except SessionLogError:
+        return False
+    return normal_canonical(normal) == normal_canonical(msgspec.json.decode(expected))
+
+
 def _check_messages_shape(messages: Any) -> None:
     """Refuse (`INVALID_REQUEST`) a `messages` that is no chat-completions messages array at all: that is a bad
     request, which no log could derive, not a divergence from this log."""
@@ -472,7 +491,7 @@ def _compare_fields(request: Mapping[str, Any], header: FoldedHeader, cache: Wir
     """The first divergence of the request's fields other than `messages` from the header, or None."""
     expected_bytes, expected_fields = cache.expected_fields(header)
     rest = {k: v for k, v in request.items() if k != "messages" and k not in TRANSPORT_FIELDS}
-    if _encoder.encode(rest) != expected_bytes:
+    if _encoder.encode(rest) != expected_bytes and normal_canonical(rest) != normal_canonical(expected_fields):
         found = first_difference(expected_fields, rest)
         if found is None:  # pragma: no cover
             found = ("$", expected_fields, rest)

@@ -26,7 +26,9 @@
     var first = cell(tr, null, null);
     var link = el("a", "session-link", r.id); link.href = href(r.id); first.appendChild(link);
     first.appendChild(el("div", "title", r.title || ""));
-    cell(tr, "state", r.open_turn ? el("span", "badge open-turn", "turn " + r.open_turn + " open") : el("span", "badge closed", "closed"));
+    var badge = r.open_turn ? el("span", "badge open-turn", "turn " + r.open_turn + " open") : el("span", "badge closed", "closed");
+    if (r.error) { badge = el("span", "badge corrupt", r.error.split(":")[0]); badge.title = r.error; }
+    cell(tr, "state", badge);
     cell(tr, "holder", r.lease_holder ? document.createTextNode(r.lease_holder) : el("span", "muted", "\u2014"));
     cell(tr, "num events", num(r.events));
     cell(tr, "when", document.createTextNode(when(r.last_activity || r.created_at)));

@@ -9,7 +9,7 @@ import typer
 from typer.exceptions import TyperException
 
 from ..errors import SessionLogError
-from . import auditcmds, files, logcmds, servecmds, upcmds
+from . import auditcmds, files, logcmds, quarantinecmds, servecmds, upcmds
 
 app = typer.Typer(
     name="sessionlog",
@@ -24,6 +24,7 @@ logcmds.register(app)
 servecmds.register(app)
 upcmds.register(app)
 auditcmds.register(app)
+quarantinecmds.register(app)
 
 
 def error_line(err: SessionLogError) -> str:

@@ -92,7 +92,8 @@ def audit(
         bool, typer.Option("--local", help="Compute the report here instead of asking the token-auditor.")
     ] = False,
 ) -> None:
-    """Print a session's token ledger (per model) and the auditor's findings."""
+    """Print a session's token ledger (per model), the provider's (from the raw tee) and the auditor's findings;
+    exit with status 1 when there are findings."""
 
     async def work(log: SessionLog) -> dict[str, Any]:
         if not local:
@@ -112,8 +113,10 @@ def audit(
     if as_json:
         sys.stdout.buffer.write(msgspec.json.encode(report) + b"\n")
         sys.stdout.buffer.flush()
-        return
-    print_report(report, Console())
+    else:
+        print_report(report, Console())
+    if report.get("findings"):
+        raise typer.Exit(1)
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
@@ -137,7 +140,14 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     for entry in ledger.get("by_model", []):
         table.add_row(*row(entry["provider"], entry["model"], entry["tokens"]))
     table.add_row(*row("total", "", ledger.get("total", {})), style="bold")
+    provider = report.get("provider_ledger")
+    if provider:  # every exchange the provider answered, from the raw tee
+        for entry in provider.get("by_model", []):
+            table.add_row(*row("provider (raw tee)", entry["model"], entry["tokens"]), style="dim")
+        table.add_row(*row("provider total", "", provider.get("total", {})), style="dim")
     console.print(table)
+    for difference in report.get("ledger_difference") or ():
+        console.print(f"ledger difference: {difference}")
     findings = report.get("findings") or []
     if not findings:
         console.print(

@@ -66,7 +66,8 @@ def export(
 def sessions(
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
 ) -> None:
-    """List sessions: id, events, open turn, parent; newest first."""
+    """List sessions: id, events, open turn, parent; newest first. A session that does not read is listed with
+    its error (see `sessionlog quarantine check ID`)."""
     infos = run_with_log(lambda log: log.sessions())
     if as_json:
         import msgspec
@@ -74,9 +75,13 @@ def sessions(
         for info in infos:
             typer.echo(msgspec.json.encode(info).decode())
         return
-    table = Table("session", "events", "open turn", "parent", "created")
+    table = Table("session", "events", "open turn", "parent", "created", "error")
+    table.columns[-1].no_wrap = True
+    table.columns[-1].min_width = 18  # the longest code a listing shows (INVALID_SESSION_ID)
     for info in infos:
-        table.add_row(info.id, str(info.events), str(info.open_turn or ""), info.parent or "", _when(info.created_at))
+        events = "?" if info.error else str(info.events)  # a corrupt session: its last record did not read
+        code = info.error.split(":", 1)[0] if info.error else ""  # the whole message: --json, or quarantine check
+        table.add_row(info.id, events, str(info.open_turn or ""), info.parent or "", _when(info.created_at), code)
     Console().print(table)
 
 

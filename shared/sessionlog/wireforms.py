@@ -1,0 +1,427 @@
+"""OpenAI wire forms and logged messages, in both directions: the one place where "the same message" is defined
+when there is no byte to keep. Pure: no I/O.
+
+`sessionlog.wire.to_wire` writes one canonical wire form per logged message. Clients write others that carry the
+same thing; a provider reads them alike, so they are the same message. A client message is brought to the canonical
+form by `normal_message`, and two messages are equivalent when their canonical forms are byte-equal (canonical
+JSON). The rules, each one a form that carries nothing the canonical form does not:
+
+- Content: `null`, an absent `content` and `""` are the same empty text. An array of content parts whose parts are
+  all text (`{"type": "text", "text"}`) is its texts concatenated with no separator, as the wire conversion joins a
+  message's text blocks. Any other part (an image, audio, a file) is `UNSUPPORTED_CONTENT` until the blob store
+  carries it: it is refused, never dropped.
+- Assistant messages: `tool_calls` absent, `null` or `[]` are the same; in a call, `type` defaults to `"function"`
+  and keys other than `id`, `type`, `function.name` and `function.arguments` (a streaming `index`) are dropped.
+  Keys whose value is `null` or empty (`refusal`, `audio`, `function_call`, `annotations`, as SDKs echo them) are
+  dropped; any other key stays and makes the message differ.
+- Tool messages: `name` is dropped (the call's name is logged with the call).
+- Numbers: an integer-valued float equals the integer (`1.0` is `1`): JavaScript cannot tell them apart, so a
+  Node client echoes `1` where Python sent `1.0`. This applies to every value compared, header fields included.
+- Reasoning: a client need not echo `reasoning_content`. Record mode accepts an assistant message without it as the
+  logged message that has it (`reasoning_optional`); the provider then receives the derivation, reasoning included.
+  Check mode keeps reasoning strict: the client wrote the log itself, so a request without it really differs.
+
+In the other direction, `logged_message` turns a client message into the logged Message (SPEC 3) whose wire form is
+its canonical form, and `request_header` turns a request's model, system message, tools and sampling fields into
+the `request/header` whose `header_fields` give them back (tools keep `strict`; a field is logged under its
+camelCase name, which the wire conversion turns back into the client's snake_case name).
+
+Responses: `ResponseAssembler` turns an OpenAI response (streamed chunks or one completion object) into dsh's
+stream chunks (SPEC 3: block-start, text-delta, reasoning-delta, tool-call-delta, block-end, usage, finish) and the
+assembled message. It is the one assembler of OpenAI responses into events (`sessionlog.agent` and the gateway's
+record mode both use it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Final
+
+import msgspec
+
+from .errors import UnsupportedContent
+
+_encoder: Final = msgspec.json.Encoder(order="sorted")
+
+OPENAI_FINISH: Final = {
+    "stop": "stop",
+    "tool_calls": "tool-calls",
+    "length": "max-tokens",
+    "function_call": "tool-calls",
+}
+TRANSPORT_FIELDS: Final = frozenset({"stream", "stream_options"})
+_SNAKE_FIELD: Final = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
+_TOOL_KEYS: Final = ("name", "description", "parameters", "strict")
+
+
+def normal_numbers(value: Any) -> Any:
+    """The value with every integer-valued float made an integer (`1.0` -> `1`), recursively."""
+    if type(value) is float:
+        return int(value) if value.is_integer() else value
+    if isinstance(value, dict):
+        return {k: normal_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [normal_numbers(v) for v in value]
+    return value
+
+
+def canonical(value: Any) -> bytes:
+    """Canonical JSON (sorted keys, compact, UTF-8) of the value with its numbers made normal."""
+    return _encoder.encode(normal_numbers(value))
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value == [] or value == {} or value == ""
+
+
+def content_text(content: Any, where: str) -> str:
+    """A message's `content` as the one text it carries (null, absent and text-part arrays included)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for i, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+                continue
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise UnsupportedContent(
+                f"{where}.content[{i}]: a {kind!r} content part cannot be logged yet (only text parts are); "
+                "it is refused rather than dropped"
+            )
+        return "".join(parts)
+    raise UnsupportedContent(f"{where}.content: expected a string, null or an array of parts, got {content!r}")
+
+
+def _call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(call.get("id"), str):
+        raise UnsupportedContent(f"{where}: a tool call needs an `id` and a `function` object")
+    if call.get("type", "function") != "function":
+        raise UnsupportedContent(f"{where}: tool call type {call.get('type')!r} is not supported (only function)")
+    arguments = function.get("arguments")
+    return {
+        "id": call["id"],
+        "type": "function",
+        "function": {"name": function.get("name"), "arguments": "" if arguments is None else arguments},
+    }
+
+
+def normal_message(message: Any, where: str = "$.messages[?]") -> dict[str, Any]:
+    """The canonical wire form of one client message (see the module doc); refuses what cannot be logged."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise UnsupportedContent(f"{where}: a message must be an object with a string `role`")
+    role = message["role"]
+    rest = {k: v for k, v in message.items() if k not in ("role", "content") and not _empty(v)}
+    out: dict[str, Any] = {"role": role, "content": content_text(message.get("content"), where)}
+    if role == "assistant":
+        calls = rest.pop("tool_calls", None)
+        if calls:
+            if not isinstance(calls, list):
+                raise UnsupportedContent(f"{where}.tool_calls: expected an array")
+            out["tool_calls"] = [_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls)]
+        reasoning = rest.pop("reasoning_content", None)
+        if isinstance(reasoning, str) and reasoning:
+            out["reasoning_content"] = reasoning
+    elif role == "tool":
+        rest.pop("name", None)
+        call_id = rest.pop("tool_call_id", None)
+        if not isinstance(call_id, str):
+            raise UnsupportedContent(f"{where}: a tool message needs a string `tool_call_id`")
+        out["tool_call_id"] = call_id
+    out.update(rest)  # anything else stays, and makes the message differ from every logged one
+    return out
+
+
+def without_reasoning(wire: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in wire.items() if k != "reasoning_content"}
+
+
+# ---------------------------------------------------------------------------------------------- to the log
+
+
+def logged_message(wire: Mapping[str, Any], message_id: str, where: str = "$.messages[?]") -> dict[str, Any]:
+    """The logged Message (SPEC 3) a canonical client message becomes: its wire form is `wire` again.
+
+    A user message is `role: user`, source `user`; a tool message is the `tool-result` message of a `tool/result`
+    (role user, source `tool`); an assistant message the client supplied (not one the provider answered through
+    the gateway) has source `client`. Other roles have no logged form yet (`UNSUPPORTED_CONTENT`).
+    """
+    role = wire["role"]
+    text = wire.get("content", "")
+    extra = sorted(set(wire) - {"role", "content", "tool_calls", "reasoning_content", "tool_call_id"})
+    if extra:
+        raise UnsupportedContent(f"{where}: field(s) {', '.join(extra)} of a {role} message have no logged form")
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    if role == "user":
+        return {"id": message_id, "role": "user", "source": {"kind": "user"}, "content": blocks}
+    if role == "tool":
+        call_id = wire["tool_call_id"]
+        return {
+            "id": message_id,
+            "role": "user",
+            "source": {"kind": "tool", "callId": call_id},
+            "content": [{"type": "tool-result", "toolCallId": call_id, "content": blocks}],
+        }
+    if role == "assistant":
+        content: list[dict[str, Any]] = []
+        if wire.get("reasoning_content"):
+            content.append({"type": "reasoning", "text": wire["reasoning_content"]})
+        content += blocks
+        for call in wire.get("tool_calls") or ():
+            function = call["function"]
+            content.append(
+                {"type": "tool-call", "id": call["id"], "name": function["name"], "arguments": function["arguments"]}
+            )
+        return {"id": message_id, "role": "assistant", "source": {"kind": "client"}, "content": content}
+    raise UnsupportedContent(f"{where}: role {role!r} has no logged form (only a first system message, user, "
+                             "assistant and tool messages do)")  # fmt: skip
+
+
+def config_key(field: str) -> str | None:
+    """The camelCase config key a request field is logged under (`max_tokens` -> `maxTokens`), or None when the
+    wire conversion could not give the field's name back (it holds capitals or odd characters)."""
+    if not _SNAKE_FIELD.match(field):
+        return None
+    head, *tail = field.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in tail)
+
+
+def request_header(request: Mapping[str, Any], *, provider: str, system: str | None) -> dict[str, Any]:
+    """The `request/header` header a request's fields become (messages and transport fields aside).
+
+    `model` and `provider` go to `config`; every other field with a value goes to `config` under its camelCase
+    name; `tools` become header tools with `name`, `description`, `parameters` and `strict` (the function object's
+    keys); a first system message becomes `system`. Raises `UNSUPPORTED_CONTENT` for what has no logged form.
+    """
+    config: dict[str, Any] = {"provider": provider, "model": request.get("model")}
+    if not isinstance(config["model"], str) or not config["model"]:
+        raise UnsupportedContent("$.model: a request needs a model name")
+    header: dict[str, Any] = {"config": config}
+    for field, value in request.items():
+        if field in ("model", "messages", "tools") or field in TRANSPORT_FIELDS or value is None:
+            continue
+        key = config_key(field)
+        if key is None or key in ("provider", "model"):
+            raise UnsupportedContent(f"$.{field}: a request field by this name cannot be logged in request/header")
+        config[key] = value
+    if system is not None:
+        header["system"] = system
+    tools = request.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise UnsupportedContent("$.tools: expected an array")
+        header["tools"] = [_header_tool(tool, f"$.tools[{i}]") for i, tool in enumerate(tools)]
+    return header
+
+
+def _header_tool(tool: Any, where: str) -> dict[str, Any]:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+        raise UnsupportedContent(f"{where}: only function tools can be logged")
+    extra = sorted(set(tool) - {"type", "function"}) + sorted(set(function) - set(_TOOL_KEYS))
+    if extra or not isinstance(function.get("name"), str):
+        what = f"keys {', '.join(extra)}" if extra else "no string name"
+        raise UnsupportedContent(f"{where}: a tool with {what} cannot be logged")
+    return {k: function[k] for k in _TOOL_KEYS if function.get(k) is not None}
+
+
+def wire_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """A header tool's wire form: `{"type": "function", "function": {name, description?, parameters?, strict?}}`."""
+    function = {k: tool[k] for k in _TOOL_KEYS if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+
+def usage_of(usage: Any) -> dict[str, int] | None:
+    """The logged Usage (SPEC 3) of an OpenAI `usage` object, or None when it gives no token counts."""
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if type(prompt) is not int or type(completion) is not int:
+        return None
+    out = {"inputTokens": prompt, "outputTokens": completion}
+    details = usage.get("prompt_tokens_details")
+    cached = usage.get("prompt_cache_hit_tokens")
+    if cached is None and isinstance(details, dict):
+        cached = details.get("cached_tokens")
+    if type(cached) is int:
+        out["cacheReadTokens"] = cached
+    completion_details = usage.get("completion_tokens_details")
+    reasoning = completion_details.get("reasoning_tokens") if isinstance(completion_details, dict) else None
+    if type(reasoning) is int:
+        out["reasoningTokens"] = reasoning
+    return out
+
+
+class ResponseAssembler:
+    """An OpenAI chat-completions response, chunk by chunk, as dsh's stream chunks and the assembled message.
+
+    `chunk(obj)` takes one parsed SSE chunk and returns the dsh chunks it gives (block-start when a block begins,
+    then its delta); `end()` returns the closing chunks (block-end of every block in order, usage when the stream
+    carried it, finish). `content()` is the message's blocks in block order, `calls()` the tool calls. A block opens
+    when its first delta arrives: reasoning, text, and each tool call (by its `index`) are blocks of their own.
+    Only choice 0 is read.
+    """
+
+    __slots__ = ("_blocks", "_calls", "_finish", "_keys", "_texts", "usage")
+
+    def __init__(self) -> None:
+        self._keys: dict[str, int] = {}  # "reasoning" / "text" / "call<N>" -> block index
+        self._blocks: list[str] = []
+        self._texts: dict[str, list[str]] = {}
+        self._calls: dict[int, dict[str, str]] = {}
+        self._finish: str | None = None
+        self.usage: dict[str, int] | None = None
+
+    def _open(self, key: str, block_type: str, out: list[dict[str, Any]]) -> int:
+        index = self._keys.get(key)
+        if index is None:
+            index = self._keys[key] = len(self._blocks)
+            self._blocks.append(key)
+            out.append({"type": "block-start", "index": index, "blockType": block_type})
+        return index
+
+    def chunk(self, obj: Any) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if not isinstance(obj, dict):
+            return out
+        usage = usage_of(obj.get("usage"))
+        if usage is not None:
+            self.usage = usage
+        for choice in obj.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content")
+            if isinstance(reasoning, str) and reasoning:
+                index = self._open("reasoning", "reasoning", out)
+                self._texts.setdefault("reasoning", []).append(reasoning)
+                out.append({"type": "reasoning-delta", "index": index, "text": reasoning})
+            text = delta.get("content")
+            if isinstance(text, str) and text:
+                index = self._open("text", "text", out)
+                self._texts.setdefault("text", []).append(text)
+                out.append({"type": "text-delta", "index": index, "text": text})
+            for call in delta.get("tool_calls") or ():
+                if isinstance(call, dict):
+                    out += self._call_delta(call)
+            if isinstance(choice.get("finish_reason"), str):
+                self._finish = choice["finish_reason"]
+        return out
+
+    def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        position = call.get("index", 0) if type(call.get("index", 0)) is int else 0
+        slot = self._calls.setdefault(position, {"id": "", "name": "", "arguments": ""})
+        if isinstance(call.get("id"), str) and call["id"]:
+            slot["id"] = call["id"]
+        function: dict[str, Any] = call["function"] if isinstance(call.get("function"), dict) else {}
+        name: str = function["name"] if isinstance(function.get("name"), str) else ""
+        piece: str = function["arguments"] if isinstance(function.get("arguments"), str) else ""
+        if name:
+            slot["name"] = name
+        slot["arguments"] += piece
+        index = self._open(f"call{position}", "tool-call", out)
+        delta: dict[str, Any] = {"type": "tool-call-delta", "index": index, "id": slot["id"], "argumentsDelta": piece}
+        if name:
+            delta["name"] = name
+        out.append(delta)
+        return out
+
+    def completion(self, obj: Any) -> None:
+        """Take a whole (non-streamed) completion object instead of chunks."""
+        if not isinstance(obj, dict):
+            return
+        self.usage = usage_of(obj.get("usage"))
+        for choice in obj.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            message = choice.get("message") or {}
+            delta = {"reasoning_content": message.get("reasoning_content"), "content": message.get("content")}
+            calls = [{**c, "index": i} for i, c in enumerate(message.get("tool_calls") or ()) if isinstance(c, dict)]
+            self.chunk({"choices": [{"index": 0, "delta": {**delta, "tool_calls": calls},
+                                     "finish_reason": choice.get("finish_reason")}]})  # fmt: skip
+
+    def _block(self, key: str) -> dict[str, Any]:
+        if key.startswith("call"):
+            return {"type": "tool-call", **self._calls[int(key[4:])]}
+        return {"type": key, "text": "".join(self._texts.get(key, ()))}
+
+    def content(self) -> list[dict[str, Any]]:
+        return [self._block(key) for key in self._blocks]
+
+    def calls(self) -> list[dict[str, str]]:
+        return [self._calls[i] for i in sorted(self._calls)]
+
+    @property
+    def finish(self) -> str:
+        """The finish kind (dsh's names: `stop`, `tool-calls`, `max-tokens`, or the provider's own)."""
+        if self._calls:
+            return "tool-calls"
+        reason = self._finish or "stop"
+        return OPENAI_FINISH.get(reason, reason)
+
+    @property
+    def finished(self) -> bool:
+        """Whether a finish reason arrived (a stream cut short has none)."""
+        return self._finish is not None
+
+    def end(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [
+            {"type": "block-end", "index": i, "block": self._block(key)} for i, key in enumerate(self._blocks)
+        ]
+        if self.usage is not None:
+            out.append({"type": "usage", "usage": self.usage})
+        out.append({"type": "finish", "reason": {"kind": self.finish}})
+        return out
+
+
+class SseLines:
+    """Splits a byte stream into the JSON payloads of its SSE `data:` lines, across chunk boundaries."""
+
+    __slots__ = ("_rest", "done")
+
+    def __init__(self) -> None:
+        self._rest = b""
+        self.done = False  # `data: [DONE]` was seen
+
+    def feed(self, data: bytes) -> list[Any]:
+        buffer = self._rest + data if self._rest else data
+        lines = buffer.split(b"\n")
+        self._rest = lines.pop()
+        out: list[Any] = []
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+            elif payload:
+                try:
+                    out.append(msgspec.json.decode(payload))
+                except msgspec.DecodeError:
+                    continue  # not ours to judge: the audit compares the raw bytes
+        return out
+
+
+__all__ = [
+    "OPENAI_FINISH",
+    "ResponseAssembler",
+    "SseLines",
+    "canonical",
+    "config_key",
+    "content_text",
+    "logged_message",
+    "normal_message",
+    "normal_numbers",
+    "request_header",
+    "usage_of",
+    "wire_tool",
+    "without_reasoning",
+]

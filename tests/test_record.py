@@ -1,0 +1,916 @@
+"""Record mode end to end: a real nats-server, the gateway and the scripted provider over HTTP, and a client that
+knows nothing of sessionlog (plain OpenAI-shaped requests made with httpx) under `/record/{session}/v1`."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import pytest_asyncio
+from natsfixtures import new_session_id
+from scaffold import Opened, eventually
+
+from services.gateway import GatewayConfig, ScriptedProvider, ServerThread, UpstreamConfig, build_app
+from services.repairer.service import RepairerService
+from sessionlog.audit import RawAssembler, audit_session
+from sessionlog.cli import main as cli_main
+from sessionlog.embedded import free_port
+from sessionlog.errors import SessionLogError
+from sessionlog.jsonl import read_jsonl
+from sessionlog.log import SessionLog
+from sessionlog.session import Session
+from sessionlog.settings import Settings
+from sessionlog.wire import canonical, to_wire
+
+pytest_plugins = ["natsfixtures"]
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(90)]
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+            "strict": True,
+        },
+    }
+]
+READ_CALL = {"id": "call_1", "name": "read_file", "arguments": '{"path": "notes.txt"}'}
+SYSTEM = {"role": "system", "content": "You are a careful assistant."}
+KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def provider() -> Iterator[ScriptedProvider]:
+    yield ScriptedProvider()
+
+
+@pytest.fixture(scope="module")
+def provider_server(provider: ScriptedProvider) -> Iterator[ServerThread]:
+    with ServerThread(provider.app()) as server:
+        yield server
+
+
+def record_settings(provisioned: Settings, **changes: Any) -> Settings:
+    keys = {digest(KEY_A): "tenant-a", digest(KEY_B): "tenant-b"}
+    return provisioned.model_copy(update={"gateway_keys": keys, **changes})
+
+
+def record_config(settings: Settings, provider_url: str) -> GatewayConfig:
+    upstream = UpstreamConfig("scripted", provider_url + "/v1", timeout_s=2.0, connect_timeout_s=1.0)
+    return GatewayConfig(upstream=upstream, derivation="stream", derive_wait_s=0.5, raw_stream=settings.raw_stream)
+
+
+@pytest.fixture(scope="module")
+def gateway(provisioned: Settings, provider_server: ServerThread) -> Iterator[ServerThread]:
+    settings = record_settings(provisioned)
+    with ServerThread(build_app(settings, record_config(settings, provider_server.url))) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def refusing_gateway(provisioned: Settings, provider_server: ServerThread) -> Iterator[ServerThread]:
+    settings = record_settings(provisioned, gateway_history_edits="refuse")
+    with ServerThread(build_app(settings, record_config(settings, provider_server.url))) as server:
+        yield server
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def http(gateway: ServerThread) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=10, headers={"authorization": f"Bearer {KEY_A}"}) as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+def fresh_provider(provider: ScriptedProvider) -> None:
+    provider.load([])
+    provider.clear()
+
+
+def base(server: ServerThread, session_id: str) -> str:
+    return f"{server.url}/record/{session_id}/v1"
+
+
+async def complete(
+    http: httpx.AsyncClient, server: ServerThread, session_id: str, body: dict[str, Any]
+) -> httpx.Response:
+    return await http.post(base(server, session_id) + "/chat/completions", content=msgspec.json.encode(body))
+
+
+def sse_message(data: bytes) -> dict[str, Any]:
+    """The assistant message a streaming client assembles and appends (content null when there is no text)."""
+    text: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    for line in data.split(b"\n"):
+        if not line.startswith(b"data: ") or line[6:] == b"[DONE]":
+            continue
+        for choice in msgspec.json.decode(line[6:]).get("choices") or ():
+            delta = choice["delta"]
+            text.append(delta.get("content") or "")
+            for call in delta.get("tool_calls") or ():
+                slot = calls.setdefault(call["index"], {"id": "", "type": "function",
+                                                        "function": {"name": "", "arguments": ""}})  # fmt: skip
+                slot["id"] = call.get("id") or slot["id"]
+                slot["function"]["name"] = call.get("function", {}).get("name") or slot["function"]["name"]
+                slot["function"]["arguments"] += call.get("function", {}).get("arguments") or ""
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return message
+
+
+async def load(log: SessionLog, session_id: str) -> Session:
+    _, session, _ = await log.load(session_id)
+    return session
+
+
+def types(session: Session) -> list[str]:
+    return [e.type for e in session if e.type != "assistant/chunk"]
+
+
+async def raw_exchanges(log: SessionLog, settings: Settings, session_id: str, count: int) -> list[Any]:
+    """The gateway's raw tee for the session (waits until `count` exchanges are there)."""
+    js = log.js
+
+    async def read() -> list[Any]:
+        sub = await js.subscribe(f"sessionlog.raw.{session_id}", stream=settings.raw_stream, ordered_consumer=True)
+        assembler = RawAssembler()
+        out = []
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=0.3)
+                except Exception:
+                    break
+                done = assembler.add(dict(msg.headers or {}), msg.data)
+                if done is not None:
+                    out.append(done)
+        finally:
+            await sub.unsubscribe()
+        return out
+
+    found: list[Any] = []
+
+    async def enough() -> bool:
+        nonlocal found
+        found = await read()
+        return len(found) >= count
+
+    await eventually(enough, f"{count} raw exchanges of {session_id}")
+    return found
+
+
+def theorem_requests(session: Session) -> list[dict[str, Any]]:
+    """For each step with chunks or a message: to_wire of the prefix before its answer (SPEC 6's theorem)."""
+    out = []
+    for event in session:
+        first_answer = event.type == "assistant/chunk" or (
+            event.type == "assistant/message"
+            and event.surface_op == "append"
+            and event.data.message.source.kind == "model"
+        )
+        if not first_answer:
+            continue
+        turn, step = event.data.turn, event.data.step
+        if any(r["key"] == (turn, step) for r in out):
+            continue
+        prefix = Session(e.raw for e in list(session)[: event.seq])
+        header = prefix.fold_request_header()
+        assert header is not None
+        out.append({"key": (turn, step), "request": to_wire(prefix.derive_messages(), header)})
+    return [r["request"] for r in out]
+
+
+def without_transport(body: bytes) -> dict[str, Any]:
+    request = msgspec.json.decode(body)
+    request.pop("stream", None)
+    request.pop("stream_options", None)
+    return request  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------------------------- the happy paths
+
+
+async def test_a_streamed_tool_loop_is_logged_and_the_provider_receives_the_derivation(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, provisioned: Settings
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([
+        {"reasoning_content": "I should read it.", "text": "Let me look.", "tool_calls": [READ_CALL]},
+        {"text": "The notes say hello."},
+    ])  # fmt: skip
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "What do my notes say?"}]
+    common = {"model": "scripted-model", "tools": TOOLS, "temperature": 1.0, "parallel_tool_calls": False,
+              "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    first = await complete(http, gateway, sid, {**common, "messages": messages})
+    assert first.status_code == 200, first.text
+    reply = sse_message(first.content)
+    assert reply["tool_calls"][0]["id"] == "call_1"
+    # what a real client does: append the returned message as it holds it (no reasoning, `name` on the tool message)
+    messages += [reply, {"role": "tool", "tool_call_id": "call_1", "name": "read_file", "content": "hello"}]
+    second = await complete(http, gateway, sid, {**common, "messages": messages})
+    assert second.status_code == 200, second.text
+    assert sse_message(second.content)["content"] == "The notes say hello."
+
+    session = await load(log, sid)
+    assert types(session) == [
+        "turn/start", "step/start", "request/header", "user/message",
+        "assistant/message", "tool/call",
+        "tool/result", "step/end", "step/start",
+        "assistant/message", "step/end", "turn/end",
+    ]  # fmt: skip
+    assert session.open_turn is None
+    header = session.fold_request_header()
+    assert header is not None
+    assert msgspec.json.decode(header.raw)["tools"][0]["strict"] is True
+    # the provider received exactly the derivation before each step's answer, canonical bytes
+    received = [without_transport(b) for b in provider.received]
+    assert [canonical(r) for r in received] == [canonical(r) for r in theorem_requests(session)]
+    assert received[1]["messages"][2]["reasoning_content"] == "I should read it."  # kept though the client dropped it
+    assert received[1]["parallel_tool_calls"] is False and received[1]["temperature"] == 1.0
+    # the audit, against the raw tee, finds nothing
+    raw = await raw_exchanges(log, provisioned, sid, 2)
+    report = audit_session(session, raw, session_id=sid).report()
+    assert report.findings == [] and report.raw_matched == 2
+
+
+async def test_a_non_streaming_exchange_logs_the_message_and_its_usage(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, provisioned: Settings
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "Hi there.", "usage": {"prompt_tokens": 11, "completion_tokens": 3}}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
+    response = await complete(http, gateway, sid, body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "Hi there."
+    session = await load(log, sid)
+    assert types(session) == ["turn/start", "step/start", "request/header", "user/message", "assistant/message",
+                              "step/end", "turn/end"]  # fmt: skip
+    message = next(e for e in session if e.type == "assistant/message")
+    assert msgspec.json.decode(message.raw)["data"]["usage"] == {"inputTokens": 11, "outputTokens": 3}
+    assert without_transport(provider.received[0])["messages"] == [{"role": "user", "content": "Hi"}]
+    raw = await raw_exchanges(log, provisioned, sid, 1)
+    assert audit_session(session, raw, session_id=sid).report().findings == []
+
+
+async def test_models_are_listed_under_the_record_base_url(http: httpx.AsyncClient, gateway: ServerThread) -> None:
+    response = await http.get(base(gateway, new_session_id("rec")) + "/models")
+    assert response.status_code == 200, response.text
+    assert response.json()["data"][0]["id"]
+
+
+# ---------------------------------------------------------------------------------------------- history edits
+
+
+async def two_turns(http: httpx.AsyncClient, server: ServerThread, provider: ScriptedProvider, sid: str) -> list[Any]:
+    """Two plain turns through record mode; returns the messages the client holds after them."""
+    provider.load([{"text": "First answer."}, {"text": "Second answer."}])
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "First question?"}]
+    for question in ("Second question?", None):
+        response = await complete(http, server, sid, {"model": "scripted-model", "messages": messages})
+        assert response.status_code == 200, response.text
+        messages.append(response.json()["choices"][0]["message"])
+        if question:
+            messages.append({"role": "user", "content": question})
+    return messages
+
+
+async def test_a_client_compaction_is_logged_as_a_replacement_with_provenance_and_the_transcript_keeps_it(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    await two_turns(http, gateway, provider, sid)
+    before = await load(log, sid)
+    originals = [e.seq for e in before.transcript()]
+    compacted = [SYSTEM, {"role": "user", "content": "Summary: two questions, two answers."},
+                 {"role": "user", "content": "Third question?"}]  # fmt: skip
+    provider.load([{"text": "Third answer."}])
+    response = await complete(http, gateway, sid, {"model": "scripted-model", "messages": compacted})
+    assert response.status_code == 200, response.text
+    session = await load(log, sid)
+    replace = next(e for e in session if e.is_replace)
+    assert replace.type == "user/message"
+    assert replace.surface_op == {"op": "replace", "start": originals[0], "end": originals[-1]}
+    assert replace.source_event_seqs == sorted(before.surface.nodes)  # every shadowed node
+    assert [e.seq for e in session.transcript()][: len(originals)] == originals  # the originals stay
+    assert without_transport(provider.received[-1])["messages"] == compacted
+    assert canonical(theorem_requests(session)[-1]) == canonical(without_transport(provider.received[-1]))
+    assert session.open_turn is None and session.generation == 1
+
+
+async def test_a_compaction_that_keeps_the_last_exchange_replaces_only_what_it_summarises(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, provisioned: Settings
+) -> None:
+    """The common framework compaction: older messages become one summary, the latest exchange is kept as it was.
+    Only the summarised nodes are shadowed; what the client kept is not logged a second time."""
+    sid = new_session_id("rec")
+    held = await two_turns(http, gateway, provider, sid)  # [system, u1, a1, u2, a2]
+    before = await load(log, sid)
+    nodes = list(before.surface.nodes)
+    compacted = [SYSTEM, {"role": "user", "content": "Summary: the first question was answered."},
+                 *held[3:], {"role": "user", "content": "Third question?"}]  # fmt: skip
+    provider.load([{"text": "Third answer."}])
+    response = await complete(http, gateway, sid, {"model": "scripted-model", "messages": compacted})
+    assert response.status_code == 200, response.text
+    session = await load(log, sid)
+    replaces = [e for e in session if e.is_replace]
+    assert len(replaces) == 1 and replaces[0].type == "user/message"
+    assert replaces[0].surface_op == {"op": "replace", "start": nodes[0], "end": nodes[1]}
+    assert replaces[0].source_event_seqs == nodes[:2]
+    assert list(session.surface.nodes[1:3]) == nodes[2:4]  # the kept exchange is the same events, not copies
+    shown = [e.data.content[0].text for e in session.transcript() if e.type == "user/message"]
+    assert shown == ["First question?", "Second question?", "Third question?"]  # each once, originals kept
+    assert without_transport(provider.received[-1])["messages"] == compacted
+    assert canonical(theorem_requests(session)[-1]) == canonical(without_transport(provider.received[-1]))
+    report = audit_session(session, await raw_exchanges(log, provisioned, sid, 3), session_id=sid).report()
+    assert report.findings == []
+
+
+async def test_a_compaction_in_the_middle_of_a_tool_loop_logs_the_result_in_its_step_then_the_summary(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, provisioned: Settings
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "First answer."}, {"text": "", "tool_calls": [READ_CALL]}, {"text": "It says hello."}])
+    body = {"model": "scripted-model", "tools": TOOLS}
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "First question?"}]
+    first = await complete(http, gateway, sid, {**body, "messages": messages})
+    messages += [first.json()["choices"][0]["message"], {"role": "user", "content": "Read my notes"}]
+    second = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert second.status_code == 200, second.text
+    messages.append(second.json()["choices"][0]["message"])
+    nodes = list((await load(log, sid)).surface.nodes)
+    compacted = [SYSTEM, {"role": "user", "content": "Summary: a first question was answered."}, *messages[3:],
+                 {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]  # fmt: skip
+    third = await complete(http, gateway, sid, {**body, "messages": compacted})
+    assert third.status_code == 200, third.text
+    session = await load(log, sid)
+    replace = next(e for e in session if e.is_replace)
+    assert replace.surface_op == {"op": "replace", "start": nodes[0], "end": nodes[1]}
+    result = next(e for e in session if e.type == "tool/result")
+    assert result.seq < replace.seq and result.data.step == 1 and result.data.turn == 2  # in the call's own step
+    assert without_transport(provider.received[-1])["messages"] == compacted
+    assert canonical(theorem_requests(session)[-1]) == canonical(without_transport(provider.received[-1]))
+    assert session.open_turn is None
+    report = audit_session(session, await raw_exchanges(log, provisioned, sid, 3), session_id=sid).report()
+    assert report.findings == []
+
+
+async def test_a_truncation_and_an_edited_tool_result_are_logged_without_splitting_a_tool_pair(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, provisioned: Settings
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "It says hello."}, {"text": "Again."}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Read my notes"}]
+    body = {"model": "scripted-model", "tools": TOOLS}
+    first = await complete(http, gateway, sid, {**body, "messages": messages})
+    messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]
+    second = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert second.status_code == 200, second.text
+    # the framework shortens the tool output it keeps in context, drops the last answer, and asks again
+    edited = [*messages[:2], {"role": "tool", "tool_call_id": "call_1", "content": "hel…"}]
+    third = await complete(http, gateway, sid, {**body, "messages": edited})
+    assert third.status_code == 200, third.text
+    session = await load(log, sid)
+    replace = next(e for e in session if e.is_replace)
+    assert replace.type == "assistant/message"  # starts at the call, so the pair stays whole
+    sent = without_transport(provider.received[-1])["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool"] and sent[2]["content"] == "hel…"
+    assert session.open_turn is None
+    assert msgspec.json.decode(replace.raw)["data"]["message"]["source"]["kind"] == "client"  # not a new answer
+    report = audit_session(session, await raw_exchanges(log, provisioned, sid, 3), session_id=sid).report()
+    assert report.findings == [] and report.raw_matched == 3
+    assert report.ledger.total.requests == 3 and report.ledger_difference == []
+
+
+async def test_the_refuse_policy_refuses_a_history_edit_and_the_provider_receives_nothing(
+    http: httpx.AsyncClient, refusing_gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    await two_turns(http, refusing_gateway, provider, sid)
+    length = len(await load(log, sid))
+    provider.clear()
+    compacted = [SYSTEM, {"role": "user", "content": "Summary."}, {"role": "user", "content": "Third?"}]
+    response = await complete(http, refusing_gateway, sid, {"model": "scripted-model", "messages": compacted})
+    assert response.status_code == 409
+    assert response.json()["error"]["code"] == "DERIVATION_DIVERGES"
+    assert response.headers["x-should-retry"] == "false"
+    assert provider.received == []
+    assert len(await load(log, sid)) == length
+
+
+# ---------------------------------------------------------------------------------------------- one at a time, tenants
+
+
+async def test_a_concurrent_request_is_session_busy_and_the_session_is_free_after_the_reply(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "slow", "delay_s": 1.0}, {"text": "next"}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    slow = asyncio.ensure_future(complete(http, gateway, sid, body))
+
+    async def provider_has_it() -> bool:
+        return len(provider.received) == 1
+
+    await eventually(provider_has_it, "the first request reaching the provider")
+    busy = await complete(http, gateway, sid, body)
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "SESSION_BUSY"
+    assert busy.headers["x-should-retry"] == "false"
+    first = await slow
+    assert first.status_code == 200
+    follow = [*body["messages"], first.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+    nxt = await complete(http, gateway, sid, {"model": "scripted-model", "messages": follow})
+    assert nxt.status_code == 200, nxt.text
+    assert len(provider.received) == 2
+
+
+async def test_a_session_belongs_to_the_tenant_that_created_it(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "yours"}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    assert (await complete(http, gateway, sid, body)).status_code == 200
+    header = await log.header(sid)
+    assert header is not None and msgspec.json.decode(header)["tenant"] == "tenant-a"
+    url = base(gateway, sid) + "/chat/completions"
+    async with httpx.AsyncClient(timeout=10) as other:
+        foreign = await other.post(url, json=body, headers={"authorization": f"Bearer {KEY_B}"})
+        assert foreign.status_code == 404 and foreign.json()["error"]["code"] == "SESSION_NOT_FOUND"
+        for headers in ({}, {"authorization": "Bearer sk-wrong"}):
+            anonymous = await other.post(url, json=body, headers=headers)
+            assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "UNAUTHORIZED"
+    assert len(provider.received) == 1
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+
+async def test_a_client_that_disconnects_mid_stream_leaves_an_aborted_turn_and_its_next_request_extends_the_log(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "one two three four five six seven eight", "chunk_delay_s": 0.2}, {"text": "ok"}])
+    messages = [{"role": "user", "content": "count"}]
+    body = {"model": "scripted-model", "stream": True, "messages": messages}
+    async with http.stream("POST", base(gateway, sid) + "/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        seen = b""
+        async for data in response.aiter_bytes():
+            seen += data
+            if b'"content":"one' in seen:
+                break  # the user pressed stop after the first word
+
+    async def aborted() -> bool:
+        session = await load(log, sid)
+        return session.open_turn is None and any(e.type == "turn/end" for e in session)
+
+    await eventually(aborted, "the turn ended after the disconnect")
+    session = await load(log, sid)
+    end = [e for e in session if e.type == "turn/end"][-1]
+    assert msgspec.json.decode(end.raw)["data"]["reason"] == {"kind": "aborted", "reason": {"kind": "user"}}
+    assert any(e.type == "assistant/chunk" for e in session)
+    assert not any(e.type == "assistant/message" for e in session)
+    again = [*messages, {"role": "user", "content": "again"}]
+    follow = await complete(http, gateway, sid, {"model": "scripted-model", "messages": again})
+    assert follow.status_code == 200, follow.text
+    assert not any(e.is_replace for e in await load(log, sid))
+
+
+async def test_a_provider_error_ends_the_turn_as_an_error_and_a_retry_continues(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"status": 500, "error": "overloaded"}, {"text": "fine now"}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    failed = await complete(http, gateway, sid, body)
+    assert failed.status_code >= 500
+    session = await load(log, sid)
+    end = [e for e in session if e.type == "turn/end"][-1]
+    reason = msgspec.json.decode(end.raw)["data"]["reason"]
+    assert reason["kind"] == "error" and reason["error"]["status"] == 500
+    retried = await complete(http, gateway, sid, body)
+    assert retried.status_code == 200, retried.text
+    session = await load(log, sid)
+    assert [e.type for e in session if e.type.startswith("turn/")] == ["turn/start", "turn/end"] * 2
+    assert not any(e.is_replace for e in session)
+    assert without_transport(provider.received[1]) == without_transport(provider.received[0])
+
+
+async def test_a_gateway_killed_mid_stream_leaves_an_open_turn_that_the_repairer_closes(
+    provisioned: Settings, provider_server: ServerThread, provider: ScriptedProvider, log: SessionLog, url: str
+) -> None:
+    sid = new_session_id("rec")
+    port = free_port()
+    env = {
+        **os.environ,
+        "SESSIONLOG_NATS_URL": url,
+        "SESSIONLOG_GATEWAY_PORT": str(port),
+        "SESSIONLOG_PROVIDER_BASE_URL": provider_server.url + "/v1",
+        "SESSIONLOG_LEASE_TTL_S": "1",
+        "SESSIONLOG_METRICS_PORT": "0",
+        "SESSIONLOG_GATEWAY_KEYS": msgspec.json.encode({digest(KEY_A): "tenant-a"}).decode(),
+    }
+    root = Path(__file__).resolve().parents[1]
+    process = subprocess.Popen([sys.executable, "-m", "services.gateway", "--derivation", "stream"], env=env, cwd=root,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        gateway_url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(timeout=10, headers={"authorization": f"Bearer {KEY_A}"}) as client:
+
+            async def up() -> bool:
+                try:
+                    return (await client.get(gateway_url + "/healthz")).status_code == 200
+                except httpx.HTTPError:
+                    return process.poll() is not None  # ends the wait; the assert below says why
+
+            await eventually(up, "the gateway process serving")
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            provider.load([{"text": "one two three four five six seven eight nine ten", "chunk_delay_s": 0.3}])
+            body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "count"}]}
+            url_ = f"{gateway_url}/record/{sid}/v1/chat/completions"
+
+            async def chunks_logged() -> bool:
+                try:
+                    return any(e.type == "assistant/chunk" for e in await load(log, sid))
+                except SessionLogError:
+                    return False
+
+            async with client.stream("POST", url_, json=body) as response:
+                assert response.status_code == 200
+                seen = b""
+                async for data in response.aiter_bytes():
+                    seen += data
+                    if b'"content":"two' in seen:
+                        await eventually(chunks_logged, "the first chunks durable")
+                        # mid-stream, the client still reading: the turn stays open under a lease nobody refreshes
+                        process.send_signal(signal.SIGKILL)
+                        process.wait(timeout=10)
+                        break
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    session = await load(log, sid)
+    assert session.open_turn is not None and session.open_step is not None
+    length = len(session)
+    async with Opened(url, lease_ttl_s=1, repair_grace_s=0.3) as opened:
+        repairer_log = await opened.connect()
+        service = opened.keep_service(RepairerService(repairer_log))
+        await service.start()
+
+        async def closed() -> bool:
+            return (await load(log, sid)).open_turn is None
+
+        await eventually(closed, "the repairer closing the turn")
+    session = await load(log, sid)
+    closers = [e.type for e in list(session)[length:]]
+    assert closers == ["step/end", "turn/end"]
+    assert msgspec.json.decode(session[len(session) - 1].raw)["data"]["reason"] == {"kind": "interrupted"}
+
+
+# ---------------------------------------------------------------------------------------------- the tools on the result
+
+
+async def cli(monkeypatch: pytest.MonkeyPatch, settings: Settings, *argv: str) -> int:
+    monkeypatch.setenv("SESSIONLOG_NATS_URL", settings.nats_url or "")
+    return await asyncio.to_thread(cli_main, list(argv))
+
+
+async def test_export_check_derive_transcript_and_audit_agree_with_what_the_provider_received(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    provisioned: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    sid = new_session_id("rec")
+    await two_turns(http, gateway, provider, sid)
+    provider.load([{"text": "Third answer.", "usage": {"prompt_tokens": 30, "completion_tokens": 2}}])
+    compacted = [SYSTEM, {"role": "user", "content": "Summary."}, {"role": "user", "content": "Third question?"}]
+    assert (await complete(http, gateway, sid, {"model": "scripted-model", "messages": compacted})).status_code == 200
+    await raw_exchanges(log, provisioned, sid, 3)
+    out = tmp_path / "rec.jsonl"
+    assert await cli(monkeypatch, provisioned, "export", sid, "-o", str(out)) == 0
+    assert await cli(monkeypatch, provisioned, "check", str(out)) == 0
+    assert "ok: " in capfd.readouterr().out
+    session = Session(read_jsonl(out).events)
+    requests = theorem_requests(session)
+    assert [canonical(r) for r in requests] == [canonical(without_transport(b)) for b in provider.received]
+    answer = next(e.seq for e in reversed(list(session)) if e.type == "assistant/message")
+    assert await cli(monkeypatch, provisioned, "derive", str(out), "--at", str(answer - 1)) == 0
+    derived = msgspec.json.decode(capfd.readouterr().out)
+    texts = [block["text"] for message in derived for block in message["content"]]
+    assert texts == [m["content"] for m in compacted[1:]]  # what the provider received, message for message
+    assert await cli(monkeypatch, provisioned, "transcript", str(out), "--json") == 0
+    shown = capfd.readouterr().out
+    assert "First question?" in shown and "Second answer." in shown  # the compaction erased nothing
+    assert await cli(monkeypatch, provisioned, "audit", sid, "--local", "--json") == 0
+    report = msgspec.json.decode(capfd.readouterr().out)
+    assert report["findings"] == [] and report["ledger_difference"] == []
+    assert report["provider_ledger"]["total"]["requests"] == 3 == report["ledger"]["total"]["requests"]
+
+
+async def test_audit_exits_non_zero_when_there_are_findings(
+    log: SessionLog, provisioned: Settings, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    writer = await log.create(new_session_id("bad"))
+    try:
+        await writer.emit("turn/start", {"turn": 1})
+        await writer.emit("step/start", {"turn": 1, "step": 1})
+        for chunk in ({"type": "block-start", "index": 0, "blockType": "text"},
+                      {"type": "text-delta", "index": 0, "text": "streamed"},
+                      {"type": "finish", "reason": {"kind": "stop"}}):  # fmt: skip
+            await writer.emit("assistant/chunk", {"turn": 1, "step": 1, "chunk": chunk})
+        message = {"id": "a1", "role": "assistant", "source": {"kind": "model"},
+                   "content": [{"type": "text", "text": "something else"}]}  # fmt: skip
+        await writer.emit("assistant/message", {"turn": 1, "step": 1, "message": message}, surface_op="append",
+                          source_event_seqs=[2, 3, 4])  # fmt: skip
+        await writer.emit("step/end", {"turn": 1, "step": 1})
+        await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}})
+    finally:
+        await writer.close()
+    assert await cli(monkeypatch, provisioned, "audit", writer.session_id, "--local") == 1
+    assert "MESSAGE_DIFFERS_FROM_CHUNKS" in capfd.readouterr().out
+
+
+async def test_a_second_replica_takes_an_idle_session_over_and_is_refused_a_busy_one(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provisioned: Settings,
+    provider_server: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+) -> None:
+    sid = new_session_id("rec")
+    settings = record_settings(provisioned)
+    with ServerThread(build_app(settings, record_config(settings, provider_server.url))) as replica:
+        provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "done", "delay_s": 1.0}, {"text": "after"}])
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "read"}]
+        body = {"model": "scripted-model", "tools": TOOLS}
+        first = await complete(http, gateway, sid, {**body, "messages": messages})
+        assert first.status_code == 200, first.text
+        # the turn is open (a tool call is pending) and the first replica holds the session; the second asks for it
+        messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "x"}]
+        slow = asyncio.ensure_future(complete(http, replica, sid, {**body, "messages": messages}))
+
+        async def provider_has_it() -> bool:
+            return len(provider.received) == 2
+
+        await eventually(provider_has_it, "the second request reaching the provider through the replica")
+        busy = await complete(http, gateway, sid, {**body, "messages": messages})  # the replica is answering
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "SESSION_BUSY"
+        second = await slow
+        assert second.status_code == 200, second.text
+        messages += [second.json()["choices"][0]["message"], {"role": "user", "content": "and now?"}]
+        back = await complete(http, gateway, sid, {**body, "messages": messages})  # and back to the first replica
+        assert back.status_code == 200, back.text
+    session = await load(log, sid)
+    assert types(session).count("turn/end") == 2 and not any(e.is_replace for e in session)
+    assert [canonical(r) for r in theorem_requests(session)] == [
+        canonical(without_transport(b)) for b in provider.received
+    ]
+
+
+async def test_a_tool_loop_interrupted_by_a_gateway_restart_goes_on_with_the_real_result_as_an_edit(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provisioned: Settings,
+    provider_server: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    url: str,
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "It says hello."}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Read my notes"}]
+    body = {"model": "scripted-model", "tools": TOOLS}
+    settings = record_settings(provisioned, lease_ttl_s=1)
+    with ServerThread(build_app(settings, record_config(settings, provider_server.url))) as restarting:
+        first = await complete(http, restarting, sid, {**body, "messages": messages})
+        assert first.status_code == 200, first.text
+    # that gateway stopped (its sessions let go) while the client ran the tool; the repairer closes the open turn
+    async with Opened(url, lease_ttl_s=1, repair_grace_s=0.3) as opened:
+        service = opened.keep_service(RepairerService(await opened.connect()))
+        await service.start()
+
+        async def closed() -> bool:
+            return (await load(log, sid)).open_turn is None
+
+        await eventually(closed, "the repairer closing the tool loop's turn")
+    messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]
+    second = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert second.status_code == 200, second.text
+    session = await load(log, sid)
+    synthetic = next(e for e in session if e.type == "tool/result")
+    assert msgspec.json.decode(synthetic.raw)["data"]["error"]["code"] == "TOOL_OUTCOME_UNKNOWN"
+    replace = next(e for e in session if e.is_replace)
+    assert synthetic.seq in replace.source_event_seqs
+    assert without_transport(provider.received[-1])["messages"][-1] == {
+        "role": "tool", "tool_call_id": "call_1", "content": "hello"
+    }  # fmt: skip
+    assert synthetic.seq in [e.seq for e in session.transcript()]  # what happened stays in the transcript
+    assert session.open_turn is None and session.generation == 1
+
+
+async def test_a_changed_field_is_a_new_request_header_and_1_for_1_0_is_no_change(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "a"}, {"text": "b"}, {"text": "c"}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "one"}]
+    for temperature in (1.0, 1, 0.5):  # a Node client sends 1 where Python sent 1.0: the same value
+        body = {"model": "scripted-model", "temperature": temperature, "response_format": {"type": "text"}}
+        response = await complete(http, gateway, sid, {**body, "messages": messages})
+        assert response.status_code == 200, response.text
+        messages += [response.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+    session = await load(log, sid)
+    headers = [msgspec.json.decode(e.raw)["data"] for e in session if e.type == "request/header"]
+    assert [h["reason"] for h in headers] == ["initial", "change"]
+    assert [h["header"]["config"]["temperature"] for h in headers] == [1.0, 0.5]
+    assert headers[0]["header"]["config"]["responseFormat"] == {"type": "text"}
+    sent = [without_transport(b) for b in provider.received]
+    assert [r["temperature"] for r in sent] == [1.0, 1.0, 0.5] and sent[1]["response_format"] == {"type": "text"}
+    assert type(sent[1]["temperature"]) is float  # the logged value, not the client's `1`
+
+
+async def test_a_client_that_hangs_up_right_after_the_last_line_gets_a_completed_turn(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "short answer"}])
+    body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with http.stream("POST", base(gateway, sid) + "/chat/completions", json=body) as response:
+        seen = b""
+        async for data in response.aiter_bytes():
+            seen += data
+            if b"[DONE]" in seen:
+                break  # as SDKs may: stop at [DONE] and close
+
+    async def ended() -> bool:
+        return any(e.type == "turn/end" for e in await load(log, sid))
+
+    await eventually(ended, "the turn ended")
+    session = await load(log, sid)
+    end = [e for e in session if e.type == "turn/end"][-1]
+    assert msgspec.json.decode(end.raw)["data"]["reason"] == {"kind": "completed"}
+    assert [e.type for e in session][-3:] == ["assistant/message", "step/end", "turn/end"]
+
+
+@pytest.mark.parametrize(
+    ("message", "status", "code"),
+    [
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}}]}, 422,
+         "UNSUPPORTED_CONTENT"),
+        ({"role": "tool", "tool_call_id": "call_nobody_made", "content": "x"}, 409, "DERIVATION_DIVERGES"),
+        ({"role": "developer", "content": "be terse"}, 422, "UNSUPPORTED_CONTENT"),
+        ({"content": "no role"}, 422, "UNSUPPORTED_CONTENT"),
+    ],
+    ids=["image-part", "tool-result-without-call", "developer-role", "no-role"],
+)  # fmt: skip
+async def test_what_cannot_be_logged_is_refused_and_leaves_the_log_and_the_provider_untouched(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    message: dict[str, Any],
+    status: int,
+    code: str,
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "first"}, {"text": "never"}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+    first = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert first.status_code == 200
+    before = [e.raw for e in await load(log, sid)]
+    messages += [first.json()["choices"][0]["message"], message]
+    refused = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert refused.status_code == status and refused.json()["error"]["code"] == code, refused.text
+    assert refused.headers["x-should-retry"] == "false"
+    assert [e.raw for e in await load(log, sid)] == before and len(provider.received) == 1
+    messages[-1] = {"role": "user", "content": "fine"}  # the session goes on
+    assert (await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "where"),
+    [
+        ([SYSTEM, {"role": "system", "content": "Summary: earlier work"}, {"role": "user", "content": "hi"}], None,
+         "$.messages[1]"),
+        ([SYSTEM, {"role": "user", "content": "hi", "name": "bob"}], None, "$.messages[1]"),
+        ([SYSTEM, {"role": "user", "content": "hi"}], [{"role": "system", "content": "Summary: so far"}],
+         "$.messages[3]"),
+    ],
+    ids=["second-system-message", "unloggable-field-after-system", "system-message-appended-later"],
+)  # fmt: skip
+async def test_a_refused_message_after_the_system_message_is_named_by_its_own_index(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    first: list[dict[str, Any]],
+    second: list[dict[str, Any]] | None,
+    where: str,
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "first"}])
+    messages = first
+    if second is not None:
+        reply = await complete(http, gateway, sid, {"model": "scripted-model", "messages": first})
+        assert reply.status_code == 200, reply.text
+        messages = [*first, reply.json()["choices"][0]["message"], *second]
+    before = await log.reader.events(sid)
+    received = len(provider.received)
+    refused = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert refused.status_code == 422, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "UNSUPPORTED_CONTENT"
+    assert error["message"].startswith(f"UNSUPPORTED_CONTENT: {where}:"), error["message"]
+    assert error["param"] == where
+    assert len(provider.received) == received
+    assert await log.reader.events(sid) == before
+
+
+DEEP = b"[" * 20_000 + b"]" * 20_000
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"scripted-model","messages":' + DEEP + b"}",
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi","x":' + DEEP + b"}]}",
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"}],"tools":' + DEEP + b"}",
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"}],"temperature":' + DEEP + b"}",
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"\\x"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"\xff"}]}',
+        b'{"model":"scripted-model\xff","messages":[{"role":"user","content":"hi"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"}]',
+        b"[1,2]",
+        b'{"model":"scripted-model","messages":{"role":"user"}}',
+        b'{"model":["m"],"messages":[{"role":"user","content":"hi"}]}',
+        b'{"model":"scripted-model","messages":[{"role":7,"content":"hi"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"assistant","tool_calls":[{"id":1,"function":"f"}]}]}',
+        b"",
+    ],
+    ids=["deep-messages", "deep-in-a-message", "deep-tools", "deep-field", "bad-escape", "bad-utf8",
+         "bad-utf8-in-model", "not-json", "not-an-object", "messages-an-object", "model-a-list", "role-a-number",
+         "bad-tool-call", "empty"],
+)  # fmt: skip
+async def test_a_bad_body_to_the_record_route_is_a_typed_4xx_and_changes_nothing(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, body: bytes
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "first"}])
+    good = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    assert (await complete(http, gateway, sid, good)).status_code == 200
+    before = [e.raw for e in await load(log, sid)]
+    reply = await http.post(base(gateway, sid) + "/chat/completions", content=body)
+    assert 400 <= reply.status_code < 500, f"{reply.status_code} {reply.text[:300]}"
+    assert reply.json()["error"]["code"] in ("INVALID_REQUEST", "UNSUPPORTED_CONTENT"), reply.text[:300]
+    assert reply.headers["x-should-retry"] == "false"
+    assert len(provider.received) == 1
+    assert [e.raw for e in await load(log, sid)] == before
+
+
+async def test_an_idle_session_is_let_go_and_its_lease_released(
+    http: httpx.AsyncClient, provisioned: Settings, provider_server: ServerThread, provider: ScriptedProvider,
+    log: SessionLog,
+) -> None:  # fmt: skip
+    sid = new_session_id("rec")
+    settings = record_settings(provisioned, gateway_record_idle_s=1.0)
+    with ServerThread(build_app(settings, record_config(settings, provider_server.url))) as short_lived:
+        provider.load([{"text": "hi"}])
+        body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+        assert (await complete(http, short_lived, sid, body)).status_code == 200
+        assert await log.leases.current(sid) is not None  # held between requests
+
+        async def released() -> bool:
+            return await log.leases.current(sid) is None
+
+        await eventually(released, "the idle session's lease released")
+        provider.load([{"text": "again"}])
+        follow = [*body["messages"], {"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
+        again = await complete(http, short_lived, sid, {"model": "scripted-model", "messages": follow})
+        assert again.status_code == 200, again.text  # taken up again from the log
+        assert not any(e.is_replace for e in await load(log, sid))

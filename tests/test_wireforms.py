@@ -1,0 +1,160 @@
+"""sessionlog.wireforms: the equivalence of OpenAI wire forms, their logged form, and the response assembler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sessionlog.errors import UnsupportedContent
+from sessionlog.events import decode_event, encode_new_event
+from sessionlog.session import Session
+from sessionlog.wire import header_fields, to_wire
+from sessionlog.wireforms import (
+    ResponseAssembler,
+    SseLines,
+    canonical,
+    config_key,
+    logged_message,
+    normal_message,
+    request_header,
+)
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("client", "canonical_form"),
+    [
+        ({"role": "assistant", "content": None, "tool_calls": [CALL]}, {"role": "assistant", "content": "",
+                                                                        "tool_calls": [CALL]}),
+        ({"role": "assistant", "tool_calls": [{**CALL, "index": 0}], "refusal": None, "audio": None},
+         {"role": "assistant", "content": "", "tool_calls": [CALL]}),
+        ({"role": "assistant", "content": "hi", "tool_calls": []}, {"role": "assistant", "content": "hi"}),
+        ({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+         {"role": "user", "content": "ab"}),
+        ({"role": "tool", "tool_call_id": "c1", "name": "read", "content": "out"},
+         {"role": "tool", "tool_call_id": "c1", "content": "out"}),
+    ],
+    ids=["null-content", "sdk-echo-keys", "empty-tool-calls", "text-parts", "tool-name"],
+)  # fmt: skip
+def test_client_wire_forms_have_one_canonical_form(client: dict[str, Any], canonical_form: dict[str, Any]) -> None:
+    assert normal_message(client) == canonical_form
+
+
+def test_integer_valued_floats_equal_integers_and_other_numbers_do_not() -> None:
+    assert canonical({"temperature": 1.0, "n": [2.0]}) == canonical({"temperature": 1, "n": [2]})
+    assert canonical({"temperature": 1.5}) != canonical({"temperature": 1})
+
+
+def test_a_key_that_carries_something_keeps_a_message_different() -> None:
+    assert normal_message({"role": "assistant", "content": "x", "refusal": "no"})["refusal"] == "no"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:..."}}]},
+        {"role": "user", "content": 3},
+        {"role": "tool", "content": "no id"},
+        {"content": "no role"},
+    ],
+)
+def test_what_cannot_be_logged_is_refused_not_dropped(message: dict[str, Any]) -> None:
+    with pytest.raises(UnsupportedContent):
+        normal_message(message)
+
+
+def test_a_logged_message_gives_the_client_message_back_through_to_wire() -> None:
+    """Both directions: client form -> logged Message -> to_wire is the canonical client form."""
+    header = request_header(
+        {"model": "m", "temperature": 1, "max_tokens": 9, "parallel_tool_calls": False,
+         "response_format": {"type": "json_object"},
+         "tools": [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"},
+                                                     "strict": True}}]},
+        provider="p", system="sys",
+    )  # fmt: skip
+    assert header["config"]["maxTokens"] == 9 and header["tools"][0]["strict"] is True
+    client = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL], "reasoning_content": "hmm"},
+        {"role": "tool", "tool_call_id": "c1", "content": "out"},
+    ]
+    log = Session()
+
+    def add(kind: str, data: Any, **surface: Any) -> None:
+        log.append(decode_event(encode_new_event(kind, data, seq=len(log), time=0, **surface), len(log)))
+
+    add("turn/start", {"turn": 1})
+    add("step/start", {"turn": 1, "step": 1})
+    add("request/header", {"header": header, "reason": "initial"})
+    normal = [normal_message(m) for m in client]
+    add("user/message", logged_message(normal[0], "u1"), surface_op="append")
+    add("assistant/message", {"turn": 1, "step": 1, "message": logged_message(normal[1], "a1")},
+        surface_op="append", source_event_seqs=[])  # fmt: skip
+    add("tool/call", {"turn": 1, "step": 1, "callId": "c1", "name": "read", "arguments": "{}"})
+    add("tool/result", {"turn": 1, "step": 1, "message": logged_message(normal[2], "r1")}, surface_op="append",
+        source_event_seqs=[5])  # fmt: skip
+    folded = log.fold_request_header()
+    assert folded is not None
+    wire = to_wire(log.derive_messages(), folded)
+    assert wire["messages"] == [{"role": "system", "content": "sys"}, *normal]
+    _, fields = header_fields(folded)
+    assert fields == {"model": "m", "temperature": 1, "max_tokens": 9, "parallel_tool_calls": False,
+                      "response_format": {"type": "json_object"},
+                      "tools": [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"},
+                                                                  "strict": True}}]}  # fmt: skip
+
+
+def test_a_field_whose_name_the_wire_conversion_cannot_give_back_is_refused() -> None:
+    assert config_key("top_logprobs") == "topLogprobs"
+    assert config_key("enableThinking") is None
+    with pytest.raises(UnsupportedContent):
+        request_header({"model": "m", "enableThinking": True}, provider="p", system=None)
+
+
+def test_the_assembler_turns_a_stream_and_a_completion_into_the_same_message() -> None:
+    stream = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "think"}}]},
+        {"choices": [{"index": 0, "delta": {"content": "Look"}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                                            "function": {"name": "read", "arguments": ""}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2,
+                                  "prompt_tokens_details": {"cached_tokens": 1}}},
+    ]  # fmt: skip
+    streamed = ResponseAssembler()
+    chunks = [c for obj in stream for c in streamed.chunk(obj)]
+    chunks += streamed.end()
+    assert [c["type"] for c in chunks] == [
+        "block-start", "reasoning-delta", "block-start", "text-delta", "block-start", "tool-call-delta",
+        "tool-call-delta", "block-end", "block-end", "block-end", "usage", "finish",
+    ]  # fmt: skip
+    assert chunks[-1] == {"type": "finish", "reason": {"kind": "tool-calls"}}
+    assert chunks[-2]["usage"] == {"inputTokens": 5, "outputTokens": 2, "cacheReadTokens": 1}
+    whole = ResponseAssembler()
+    whole.completion({"choices": [{"index": 0, "finish_reason": "tool_calls",
+                                   "message": {"role": "assistant", "content": "Look", "reasoning_content": "think",
+                                               "tool_calls": [CALL]}}],
+                      "usage": {"prompt_tokens": 5, "completion_tokens": 2,
+                                "prompt_tokens_details": {"cached_tokens": 1}}})  # fmt: skip
+    assert (
+        whole.content()
+        == streamed.content()
+        == [
+            {"type": "reasoning", "text": "think"},
+            {"type": "text", "text": "Look"},
+            {"type": "tool-call", "id": "c1", "name": "read", "arguments": "{}"},
+        ]
+    )
+    assert whole.usage == streamed.usage and whole.finish == streamed.finish == "tool-calls"
+
+
+def test_sse_lines_are_split_across_chunk_boundaries() -> None:
+    lines = SseLines()
+    assert lines.feed(b'data: {"a"') == []
+    assert lines.feed(b': 1}\n\ndata: {"b": 2}\n') == [{"a": 1}, {"b": 2}]
+    assert not lines.done
+    assert lines.feed(b"data: [DONE]\n\n") == [] and lines.done

@@ -16,8 +16,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.gateway.serving import serve_app
 from services.gateway.upstream import Upstream, UpstreamConfig, upstream_transport
+from sessionlog.asgi import serve_until_cancelled
 
 
 def app(upstream_url: str) -> Starlette:
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--upstream", required=True)
     args = parser.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_app(app(args.upstream), "127.0.0.1", args.port, lifespan="off"))
+        asyncio.run(serve_until_cancelled(app(args.upstream), "127.0.0.1", args.port, lifespan="off"))
 
 
 if __name__ == "__main__":

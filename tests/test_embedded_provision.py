@@ -30,8 +30,8 @@ from sessionlog.embedded import (
     free_port,
     parse_version,
 )
-from sessionlog.errors import LogUnavailable
-from sessionlog.leases import LeaseHeld, LeaseLost, Leases, ttl_header
+from sessionlog.errors import LeaseHeld, LeaseLost, LogUnavailable
+from sessionlog.leases import Leases, ttl_header
 from sessionlog.provision import (
     StreamMismatch,
     event_stream_config,

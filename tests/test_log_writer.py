@@ -27,7 +27,7 @@ from sessionlog.embedded import EmbeddedServer
 from sessionlog.errors import LogUnavailable, SessionLogError
 from sessionlog.events import encode_new_event
 from sessionlog.jsonl import decode_header
-from sessionlog.log import SessionWriter, _Publisher
+from sessionlog.log import RecordPublisher, SessionWriter
 from sessionlog.record import H_COUNT, H_DIGEST, H_FIRST_SEQ, H_FORMAT, H_WRITER, events_filter
 
 pytest_plugins = ["natsfixtures"]
@@ -315,7 +315,7 @@ async def test_a_second_writer_on_a_live_session_gets_lease_held(logs: Logs, url
 async def test_two_publishers_expecting_the_same_last_record_cannot_both_append(logs: Logs, url: str) -> None:
     log = await logs.connect(url)
     sid = new_session_id()
-    first, second = _Publisher(log, sid, epoch=101), _Publisher(log, sid, epoch=102)
+    first, second = RecordPublisher(log, sid, epoch=101), RecordPublisher(log, sid, epoch=102)
     mine = [encode_new_event("turn/start", {"turn": 1}, seq=0, time=1)]
     theirs = [encode_new_event("turn/start", {"turn": 1}, seq=0, time=2)]
 

@@ -52,13 +52,15 @@ from sessionlog.errors import (
     Conflict,
     DerivationDiverges,
     InvalidRequest,
+    LeaseHeld,
     SessionAlreadyExists,
+    SessionBusy,
     SessionLogError,
     SessionNotFound,
+    http_status,
 )
 from sessionlog.events import ToolCallBlock, ToolResultBlock
 from sessionlog.ids import check_session_id
-from sessionlog.leases import LeaseHeld
 from sessionlog.log import SessionWriter
 from sessionlog.session import DerivedMessage, Session
 from sessionlog.surface import ReplaceOp
@@ -86,12 +88,6 @@ log = logging.getLogger("sessionlog.gateway")
 RELEASE_PREFIX: Final = "sessionlog.gateway.release."
 _FINISH_WAIT_S: Final = 5.0
 _msg_decoder: Final = msgspec.json.Decoder(list[Any])
-
-
-class SessionBusy(SessionLogError):
-    """Another request of the session is being answered (here or by another gateway replica)."""
-
-    code = "SESSION_BUSY"
 
 
 def _new_id(prefix: str) -> str:
@@ -206,7 +202,7 @@ class Recorder:
     # ---------------------------------------------------------------------------------- endpoints
 
     async def models(self, request: Request) -> Response:
-        from .app import _no_retry, _request_id, _status_of, error_body
+        from .app import _no_retry, _request_id, error_body
 
         request_id = _request_id()
         try:
@@ -215,7 +211,9 @@ class Recorder:
             data = await self.gateway.upstream_models()
         except SessionLogError as err:
             return JSONResponse(
-                error_body(err, request_id=request_id), status_code=_status_of(err), headers=_no_retry(_status_of(err))
+                error_body(err, request_id=request_id),
+                status_code=http_status(err),
+                headers=_no_retry(http_status(err)),
             )
         return Response(data, media_type="application/json")
 

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m services.gateway.scripted SCRIPT [--port N] [--cycle]`: serve a script until interrupted."""
     import argparse
 
-    from .serving import serve_app
+    from sessionlog import asgi
 
     parser = argparse.ArgumentParser(description="the scripted OpenAI-compatible provider")
     parser.add_argument("script", type=Path, help="JSON array or JSONL file of replies")
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     provider = ScriptedProvider(args.script, cycle=args.cycle)
     print(f"scripted provider on http://{args.host}:{args.port}/v1", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_app(provider.app(), args.host, args.port))
+        asyncio.run(asgi.serve_until_cancelled(provider.app(), args.host, args.port))
     return 0
 
 

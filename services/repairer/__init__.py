@@ -13,6 +13,6 @@ already closed answers `{"closers": []}`.
 
 from __future__ import annotations
 
-from .service import Repairer, RepairerService, RepairState, serve
+from .service import Repairer, RepairerService, RepairState
 
-__all__ = ["RepairState", "Repairer", "RepairerService", "serve"]
+__all__ = ["RepairState", "Repairer", "RepairerService"]

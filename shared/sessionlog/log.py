@@ -21,7 +21,6 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -37,11 +36,17 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysEr
 from .availability import is_unavailable, translates_unavailable
 from .connection import connect as nats_connect
 from .errors import (
+    JS_DUPLICATE_IN_PROCESS,
+    JS_STORE_FULL,
+    JS_WRONG_LAST_SEQUENCE,
     Conflict,
     EventTooLarge,
     InvalidEvent,
+    LeaseLost,
+    LogFull,
     LogUnavailable,
     OpenTurn,
+    PurgeRefused,
     SessionAlreadyExists,
     SessionLogError,
     SessionNotFound,
@@ -50,7 +55,7 @@ from .events import Event, Message, Source, TextBlock, encode_new_event
 from .fork import plan_fork, resume_events
 from .ids import check_session_id
 from .jsonl import JsonlLog, SessionHeader, decode_header, read_jsonl, write_jsonl
-from .leases import Lease, LeaseLost, Leases
+from .leases import Lease, Leases
 from .provision import provision
 from .reader import StreamReader
 from .record import HEADER_ALLOWANCE, Record, encode_payload, events_filter, in_subject, raw_subject, record_headers
@@ -61,26 +66,7 @@ from .tasks import cancel_and_wait
 
 log = logging.getLogger("sessionlog.writer")
 
-ERR_WRONG_LAST_SEQUENCE: Final = 10071
-# "duplicate message id is in process": an earlier attempt with this message id is still being stored (on a
-# cluster, replicated); its outcome is pending, not refused.
-ERR_DUPLICATE_IN_PROCESS: Final = 10158
-ERR_STREAM_STORE_FULL: Final = (10047, 10077, 10027)
-
-
 PURGED_PREFIX: Final = "sessionlog.admin.purged."
-
-
-class PurgeRefused(SessionLogError):
-    """The streams were created with `deny_purge`, so a session cannot be erased."""
-
-    code = "PURGE_REFUSED"
-
-
-class LogFull(SessionLogError):
-    """The stream refused the write because it is full (`discard: new`): history is never dropped."""
-
-    code = "LOG_FULL"
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,7 +443,7 @@ class _LeaseKeeper:
         self._interval = interval_s
         self._callbacks: list[Any] = []
         self._stopping = False
-        self._task: asyncio.Task[None] | None = asyncio.create_task(self._run(), name=f"lease-{lease.session_id}")
+        self._task: asyncio.Task[None] | None = asyncio.create_task(self._run(), name=f"lease-{lease.key}")
 
     @property
     def epoch(self) -> int:
@@ -484,13 +470,13 @@ class _LeaseKeeper:
                     callback(err.message)
                 return
             except Exception as err:  # a transient failure: try again; the TTL decides whether it is lost
-                log.warning("lease refresh for %s failed: %s", self.lease.session_id, err)
+                log.warning("lease refresh for %s failed: %s", self.lease.key, err)
 
     async def _still_ours(self) -> Lease | None:
         """The lease as it stands now if it is still this holder's tenure (a write whose answer was lost may have
         landed at a newer revision), else None."""
         try:
-            current = await self._leases.current(self.lease.session_id)
+            current = await self._leases.current(self.lease.key)
         except Exception:
             return None
         if current is None or current.holder != self.lease.holder or current.epoch != self.lease.epoch:
@@ -588,7 +574,7 @@ class RecordPublisher:
                     return await self._settle_duplicate(ack.seq, headers, first_seq)
                 return ack.seq
             code = error.get("err_code")
-            if code == ERR_WRONG_LAST_SEQUENCE:
+            if code in JS_WRONG_LAST_SEQUENCE:
                 if timed_out:
                     landed = await self._landed(headers, first_seq)
                     if landed is not None:
@@ -598,12 +584,12 @@ class RecordPublisher:
                     f"{expected_last}: {error.get('description')}); reload and retry",
                     seq=first_seq,
                 )
-            if code in ERR_STREAM_STORE_FULL:
+            if code in JS_STORE_FULL:
                 raise LogFull(
                     f"stream {self._log.settings.stream} is full and refuses new records ({error.get('description')})",
                     seq=first_seq,
                 )
-            if error.get("code") == 503 or code == ERR_DUPLICATE_IN_PROCESS:
+            if error.get("code") == 503 or code == JS_DUPLICATE_IN_PROCESS:
                 timed_out = True
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.5)
@@ -886,10 +872,4 @@ class SessionWriter:
         self._waiters = keep
 
 
-def events_of(records: Iterable[Record]) -> list[bytes]:
-    return [e for r in records for e in r.events]
-
-
 __all__ = ["LogFull", "SessionHeader", "SessionInfo", "SessionLog", "SessionWriter"]
-
-_Publisher = RecordPublisher  # the name the first tests used

@@ -48,7 +48,13 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from sessionlog.errors import LogUnavailable, SessionLogError
+from sessionlog.errors import (
+    JS_STREAM_NAME_IN_USE,
+    JS_STREAM_NOT_FOUND,
+    LogUnavailable,
+    ProvisionFailed,
+    StreamMismatch,
+)
 from sessionlog.settings import Settings
 
 NANOS = 1_000_000_000
@@ -64,24 +70,6 @@ RAW_ALL = "sessionlog.raw.>"
 LEASE_MARKER_TTL_S = 60
 
 # JetStream API error codes this module acts on.
-ERR_STREAM_NOT_FOUND = 10059
-ERR_STREAM_NAME_IN_USE = 10058
-
-
-class StreamMismatch(SessionLogError):
-    """An existing stream or bucket whose configuration differs from what the settings call for."""
-
-    code = "STREAM_MISMATCH"
-
-    def __init__(self, message: str, *, differences: dict[str, list[FieldDifference]]) -> None:
-        super().__init__(message)
-        self.differences = differences
-
-
-class ProvisionFailed(SessionLogError):
-    """JetStream refused to create a stream or bucket (limits, permissions, a bad value)."""
-
-    code = "PROVISION_FAILED"
 
 
 @dataclass(frozen=True)
@@ -425,7 +413,7 @@ async def stream_config(js: JetStreamContext, stream: str, timeout: float = 5.0)
     answer = await _api(js, f"STREAM.INFO.{stream}", None, timeout)
     error = answer.get("error")
     if error:
-        if error.get("err_code") == ERR_STREAM_NOT_FOUND:
+        if error.get("err_code") == JS_STREAM_NOT_FOUND:
             return None
         raise ProvisionFailed(f"stream info of {stream}: {error.get('description')} (err_code {error.get('err_code')})")
     config = answer.get("config")
@@ -466,7 +454,7 @@ async def provision(js: JetStreamContext, settings: Settings, *, create: bool = 
         if not error:
             report.created.append(resource.label)
             continue
-        if error.get("err_code") == ERR_STREAM_NAME_IN_USE:
+        if error.get("err_code") == JS_STREAM_NAME_IN_USE:
             # Another provisioner created it in between, with a different config (an identical one succeeds).
             actual = await stream_config(js, resource.stream, timeout)
             diffs = compare_config(resource, actual or {})

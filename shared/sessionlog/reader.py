@@ -20,9 +20,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
 
+from .audit import RawAssembler, RawExchange
 from .availability import translates_unavailable, unavailable_as_typed
 from .errors import CorruptLog, LogUnavailable
-from .record import ALL_EVENTS, Record, decode_record, events_filter, partition_filter
+from .record import ALL_EVENTS, Record, decode_record, events_filter, partition_filter, raw_subject
 
 BATCH: Final = 256
 BATCH_MAX_BYTES: Final = 8 * 1024 * 1024
@@ -262,3 +263,24 @@ def _check_contiguous(session_id: str, records: list[Record], *, from_start: boo
                 seq=expected,
             )
         expected = record.next_seq
+
+
+async def read_raw_exchanges(
+    nc: Client, raw_stream: str, session_id: str, *, timeout: float = 5.0
+) -> list[RawExchange]:
+    """Every complete exchange the gateway tee recorded for one session, read from the raw stream (direct gets)."""
+    reader = StreamReader(nc, raw_stream, timeout=timeout)
+    assembler = RawAssembler()
+    out: list[RawExchange] = []
+    start = 1
+    subject = raw_subject(session_id)
+    while True:
+        batch, pending = await reader.direct_batch(subject, start)
+        for message in batch:
+            exchange = assembler.add(message.headers, message.data)
+            if exchange is not None:
+                out.append(exchange)
+        if not batch or pending == 0:
+            break
+        start = batch[-1].stream_seq + 1
+    return out

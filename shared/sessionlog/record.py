@@ -70,10 +70,6 @@ def session_of_subject(subject: str) -> str:
     return subject.rsplit(".", 1)[-1]
 
 
-def partition_of_subject(subject: str) -> int:
-    return int(subject.split(".")[2])
-
-
 def digest(payload: bytes) -> str:
     return hashlib.sha256(payload).hexdigest()
 

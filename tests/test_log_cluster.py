@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from natsfixtures import new_session_id, start_cluster
-from scaffold import Opened, assert_contiguous, raws
+from scaffold import Opened, assert_contiguous, freeze, raws
 from sessiongen import user_message_data
 
 from sessionlog.embedded import Cluster
@@ -30,7 +31,7 @@ from sessionlog.errors import LogUnavailable, SessionLogError
 from sessionlog.events import Event
 from sessionlog.jsonl import decode_header
 from sessionlog.log import SessionLog, SessionWriter
-from sessionlog.provision import resources
+from sessionlog.provision import resources, wait_until_served
 from sessionlog.record import Record
 from sessionlog.settings import Settings
 
@@ -83,20 +84,10 @@ async def turn(writer: SessionWriter, text: str) -> list[bytes]:
 async def every_stream_has_a_leader(log: SessionLog, timeout: float = 30.0) -> None:
     """Provisioning returns when the R3 streams exist, not when each has elected a leader and answers direct
     gets; a write or a read in between fails (LOG_UNAVAILABLE: no responders). Wait for both."""
-    deadline = time.monotonic() + timeout
-    for resource in resources(log.settings):
-        while True:
-            with contextlib.suppress(Exception):
-                info = await log.js.stream_info(resource.stream)
-                if info.cluster is not None and info.cluster.leader:
-                    if not resource.config.get("allow_direct"):
-                        break
-                    # Any answer (a message or a 404 status) shows a direct get responder; none raises.
-                    await log.nc.request(f"$JS.API.DIRECT.GET.{resource.stream}", b'{"seq":1}', timeout=1.0)
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"{resource.label} has no leader answering direct gets after {timeout}s")
-            await asyncio.sleep(0.05)
+    try:
+        await wait_until_served(log.nc, log.js, log.settings, timeout)
+    except LogUnavailable as err:
+        pytest.fail(str(err))
 
 
 def connected_node(cluster: Cluster, log: SessionLog) -> int:
@@ -410,3 +401,34 @@ async def test_with_every_node_down_reads_are_log_unavailable_not_a_raw_nats_err
     header = escaped["header"]
     assert isinstance(header, LogUnavailable)
     assert header.message.startswith(f"read the header of session {sid}: "), "the message names the operation"
+
+
+async def test_a_retry_that_meets_its_first_attempt_still_replicating_waits_for_it_and_lands_once(
+    cluster: Cluster, logs: Logs
+) -> None:
+    # Both followers frozen: the leader holds the record's proposal without a quorum. The first attempt times out
+    # (a third of the budget); the retry, with the same message id, is answered "duplicate message id is in
+    # process" (JetStream 10158). That says the first attempt's outcome is still pending, not that the log is
+    # unavailable: the writer must keep asking until the thawed followers commit it, then settle the duplicate.
+    log = await logs.connect(request_timeout_s=9.0, lease_ttl_s=60.0)
+    sid = new_session_id()
+    writer = logs.keep(await log.create(sid))
+    written = await turn(writer, "Before.")
+    await writer.flush()
+    leader = await stream_leader(cluster, log)
+    followers = [s.pid for i, s in enumerate(cluster.servers) if i != leader]
+    assert all(pid is not None for pid in followers)
+    for pid in followers:
+        await freeze(pid)  # type: ignore[arg-type]
+    try:
+        written += await turn(writer, "Proposed while the followers sleep.")
+        flushing = asyncio.create_task(writer.flush())
+        await asyncio.sleep(4.5)  # the first attempt timed out at 3 s; the retry met it in process
+        assert not flushing.done(), flushing.exception() if flushing.done() else None
+    finally:
+        for pid in followers:
+            os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
+    assert await asyncio.wait_for(flushing, 20) == len(written) - 1
+    records = await log.reader.records(sid)
+    assert_contiguous(records)
+    assert [e for r in records for e in r.events] == written  # each event once: the retry was settled, not doubled

@@ -32,7 +32,9 @@ test: lint $(NODE_STAMP)
 demo: $(STAMP)
 	$(BIN)/sessionlog demo
 
+# The whole suite (about 20 minutes on 2 cores): bench/results.json, the plots in bench/plots, the goals table.
 bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python -m bench
 
 clean:

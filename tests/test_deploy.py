@@ -36,12 +36,13 @@ import yaml
 from nats.aio.client import Client
 from sessiongen import closed_turn, user_message_data
 
+from services.stack import SERVICES, Stack
 from sessionlog.embedded import ClusterOptions, EmbeddedServer, find_server_binary, free_port
 from sessionlog.events import encode_new_event
 from sessionlog.log import SessionLog
 from sessionlog.micro import call
 from sessionlog.record import encode_payload, in_subject, record_headers
-from sessionlog.services import SERVICES, RunOptions, Stack
+from sessionlog.services import RunOptions
 from sessionlog.settings import ENV_PREFIX, Settings
 
 pytestmark = pytest.mark.timeout(120)
@@ -211,7 +212,7 @@ def test_compose_runs_the_five_services_the_provider_and_the_demo_from_one_image
 
 def test_the_scripted_provider_command_is_what_its_entry_point_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
     import services.gateway.scripted as scripted
-    import services.gateway.serving as serving
+    import sessionlog.asgi as asgi
 
     service = compose()["services"]["scripted-provider"]
     mounts = dict(reversed(v.split(":")[:2]) for v in service["volumes"])  # container folder -> host folder
@@ -224,7 +225,7 @@ def test_the_scripted_provider_command_is_what_its_entry_point_accepts(monkeypat
     async def fake_serve(app: Any, host: str, port: int, **options: Any) -> None:
         served.update(app=app, host=host, port=port)
 
-    monkeypatch.setattr(serving, "serve_app", fake_serve)
+    monkeypatch.setattr(asgi, "serve_until_cancelled", fake_serve)
     assert scripted.main(argv) == 0  # the script file loads, the arguments parse
     assert served["host"] == "0.0.0.0"
     gateway_env = compose_env(compose()["services"]["gateway"])
@@ -794,7 +795,7 @@ async def test_the_ephemeral_consumer_grant_cannot_create_a_durable(single: Embe
 
 # ================================================================================================ live: the services
 
-# Each service runs exactly as `sessionlog serve NAME` runs it (sessionlog.services.Stack: the connection that
+# Each service runs exactly as `sessionlog serve NAME` runs it (services.stack.Stack: the connection that
 # verifies the layout, the service, the health server), as its own NATS user, and then does its job for a client
 # that connects as its own user too. A permission the code needs and accounts.conf lacks fails here.
 

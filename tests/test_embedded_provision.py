@@ -30,8 +30,8 @@ from sessionlog.embedded import (
     free_port,
     parse_version,
 )
-from sessionlog.errors import LogUnavailable
-from sessionlog.leases import LeaseHeld, LeaseLost, Leases, ttl_header
+from sessionlog.errors import LeaseHeld, LeaseLost, LogUnavailable
+from sessionlog.leases import Leases, ttl_header
 from sessionlog.provision import (
     StreamMismatch,
     event_stream_config,
@@ -85,13 +85,15 @@ def test_partition_sets_parse_ranges_and_lists_and_refuse_partitions_past_the_co
 def test_settings_read_the_environment_and_document_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SESSIONLOG_NATS_URL", "nats://a:4222, nats://b:4222")
     monkeypatch.setenv("SESSIONLOG_PROVIDER_MODEL_MAP", '{"fast": "deepseek-chat"}')
-    monkeypatch.setenv("SESSIONLOG_LEASE_TTL_S", "3")
+    monkeypatch.setenv("SESSIONLOG_LEASE_TTL_S", "4")
     settings = Settings(_env_file=None)
     assert settings.nats_servers() == ["nats://a:4222", "nats://b:4222"]
     assert settings.provider_model_map == {"fast": "deepseek-chat"}
     assert settings.effective_lease_refresh_s == 1.0
     with pytest.raises(ValueError, match="lease_refresh_s"):
         Settings(_env_file=None, lease_ttl_s=2, lease_refresh_s=2)
+    with pytest.raises(ValueError, match="publish_retry_s"):  # a retry must stay within the duplicate window
+        Settings(_env_file=None, publish_retry_s=60, duplicate_window_s=60)
     for field, bad in (("projection_max_sessions", 0), ("projection_idle_evict_s", -1)):
         with pytest.raises(ValueError, match=field):
             Settings(_env_file=None, **{field: bad})

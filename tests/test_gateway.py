@@ -35,7 +35,7 @@ from services.gateway import (
     raw_subject,
 )
 from sessionlog.embedded import free_port
-from sessionlog.errors import SessionNotFound
+from sessionlog.errors import CODES, SessionNotFound
 from sessionlog.events import Message, canonical_json
 from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.session import messages_canonical
@@ -841,6 +841,24 @@ async def test_every_refusal_says_do_not_retry_and_unknown_routes_answer_the_jso
         assert response.headers["x-should-retry"] == "false"
 
 
+async def test_refusals_answer_the_status_of_the_one_error_table(http: httpx.AsyncClient, agent: Agent) -> None:
+    await agent.start_turn("hello", header={})  # a step without its request/header: STRUCTURE_INVALID
+    body = msgspec.json.encode({"model": "scripted-model", "messages": []})
+    answers = {
+        "STRUCTURE_INVALID": await post(http, agent, body),
+        "INVALID_REQUEST": await post(http, agent, b"{not json"),
+        "SESSION_NOT_FOUND": await http.post(
+            "/v1/chat/completions", content=body, headers={"X-Session-Id": "nobody-" + uuid.uuid4().hex}
+        ),
+        "INVALID_SESSION_ID": await http.post("/v1/chat/completions", content=body, headers={"X-Session-Id": "a.b"}),
+        "NOT_FOUND": await http.post("/v1/embeddings"),
+        "METHOD_NOT_ALLOWED": await http.get("/v1/chat/completions"),
+    }
+    for code, response in answers.items():
+        assert response.json()["error"]["code"] == code, response.text
+        assert response.status_code == CODES[code].status, (code, response.status_code)
+
+
 async def test_the_gateway_api_key_is_required_when_configured(
     provisioned: Settings, provider_server: ServerThread, agent: Agent, provider: ScriptedProvider
 ) -> None:
@@ -949,7 +967,8 @@ async def test_the_context_deriver_client_reads_the_documented_reply_and_falls_b
 
 
 async def test_the_gateway_runs_as_a_service_of_the_process_stack(provisioned: Settings, agent: Agent) -> None:
-    from sessionlog.services import RunOptions, Stack
+    from services.stack import Stack
+    from sessionlog.services import RunOptions
 
     settings = provisioned.model_copy(update={"gateway_port": free_port(), "metrics_port": 0})
     stack = await Stack.start(["gateway"], settings, RunOptions())

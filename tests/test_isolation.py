@@ -46,13 +46,13 @@ from test_runner import (
 )
 
 from services.repairer.service import RepairerService
+from services.stack import Stack
 from services.ui_replayer.service import UIReplayerService
 from sessionlog.embedded import EmbeddedServer, free_port
 from sessionlog.errors import SessionLogError
 from sessionlog.events import MAX_EVENT_DEPTH
 from sessionlog.record import Record, encode_payload, in_subject, record_headers
 from sessionlog.runner import ProjectionRunner
-from sessionlog.services import Stack
 
 pytest_plugins = ["natsfixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]

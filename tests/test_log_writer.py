@@ -13,13 +13,18 @@ import contextlib
 import hashlib
 import os
 import signal
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import pytest_asyncio
-from natsfixtures import new_session_id
+from natsfixtures import log_settings, new_session_id
 from scaffold import LEASE_TTL_S, WAIT_S, Opened, assert_contiguous, eventually, freeze, raws
 from sessiongen import assistant_message_data, closed_turn, tool_result_data, user_message_data
 
@@ -27,7 +32,7 @@ from sessionlog.embedded import EmbeddedServer
 from sessionlog.errors import LogUnavailable, SessionLogError
 from sessionlog.events import encode_new_event
 from sessionlog.jsonl import decode_header
-from sessionlog.log import SessionWriter, _Publisher
+from sessionlog.log import RecordPublisher, SessionLog, SessionWriter
 from sessionlog.record import H_COUNT, H_DIGEST, H_FIRST_SEQ, H_FORMAT, H_WRITER, events_filter
 
 pytest_plugins = ["natsfixtures"]
@@ -315,7 +320,7 @@ async def test_a_second_writer_on_a_live_session_gets_lease_held(logs: Logs, url
 async def test_two_publishers_expecting_the_same_last_record_cannot_both_append(logs: Logs, url: str) -> None:
     log = await logs.connect(url)
     sid = new_session_id()
-    first, second = _Publisher(log, sid, epoch=101), _Publisher(log, sid, epoch=102)
+    first, second = RecordPublisher(log, sid, epoch=101), RecordPublisher(log, sid, epoch=102)
     mine = [encode_new_event("turn/start", {"turn": 1}, seq=0, time=1)]
     theirs = [encode_new_event("turn/start", {"turn": 1}, seq=0, time=2)]
 
@@ -333,7 +338,7 @@ async def test_two_publishers_expecting_the_same_last_record_cannot_both_append(
     assert await log.reader.events(sid) == mine + follow
 
 
-async def test_a_writer_whose_lease_was_taken_over_gets_conflict_and_never_interleaves(logs: Logs, url: str) -> None:
+async def test_a_writer_whose_lease_was_taken_over_gets_lease_lost_and_never_interleaves(logs: Logs, url: str) -> None:
     log = await logs.connect(url)
     elsewhere = await logs.connect(url)
     sid = new_session_id()
@@ -356,12 +361,166 @@ async def test_a_writer_whose_lease_was_taken_over_gets_conflict_and_never_inter
     await closed_turn(stale, "Still here?")
     with pytest.raises(SessionLogError) as refused:
         await stale.flush()
-    assert refused.value.code == "CONFLICT"
+    assert refused.value.code == "LEASE_LOST", "losing the lease is not a competing writer (CONFLICT)"
+    assert "taken over" in refused.value.message
     with pytest.raises(SessionLogError):
         await stale.emit("turn/start", {"turn": 99})  # fenced for good
 
     assert await log.reader.events(sid) == [e.raw for e in successor.session]
     assert_contiguous(await log.reader.records(sid))
+
+
+async def test_open_fences_the_previous_tenure_so_the_server_refuses_its_next_publish(logs: Logs, url: str) -> None:
+    # What a paused writer does when it wakes, below every client-side check: publish the next record after the
+    # last one it knows, under its own epoch. Once another process has opened the session, JetStream refuses it.
+    log = await logs.connect(url)
+    elsewhere = await logs.connect(url)
+    sid = new_session_id()
+    stale = await logs.create(log, sid)
+    written = await closed_turn(stale)
+    await stale.flush()
+    known_last, epoch = stale.last_stream_seq, stale.epoch
+    await stale.abandon()  # its lease expires; the process is "paused", not gone
+
+    async def lease_free() -> bool:
+        return await log.leases.current(sid) is None
+
+    await eventually(lease_free, "the paused writer's lease expiring")
+    successor = logs.keep(await elsewhere.open(sid))
+
+    late = [encode_new_event("turn/start", {"turn": 2}, seq=len(written), time=5)]
+    with pytest.raises(SessionLogError) as refused:
+        await RecordPublisher(log, sid, epoch=epoch).publish(late, len(written), known_last, 2)
+    assert refused.value.code == "CONFLICT"
+    assert await log.reader.events(sid) == raws(written), "the stale tenure's record never landed"
+
+    more = await closed_turn(successor, "The new holder writes.")
+    assert await successor.flush() == len(written) + len(more) - 1, "and the new holder is not refused"
+    assert await log.reader.events(sid) == raws(written + more)
+    records = await log.reader.records(sid)
+    assert_contiguous(records)
+    fences = [r for r in records if not r.events]
+    assert [r.epoch for r in fences] == [successor.epoch], "one empty record marks the new tenure"
+
+
+WRITER_PROCESS = """
+import asyncio, sys
+sys.path.insert(0, {tests!r})
+from sessiongen import closed_turn
+from sessionlog.errors import SessionLogError
+from sessionlog.log import SessionLog
+
+async def main():
+    log = await SessionLog.connect()
+    writer = await log.create({sid!r})
+    await closed_turn(writer)
+    await writer.flush()
+    print("ready", flush=True)
+    loop = asyncio.get_running_loop()
+    while True:
+        await loop.run_in_executor(None, sys.stdin.readline)
+        try:
+            await closed_turn(writer, "After the pause.")
+            await writer.flush()
+            print("written", flush=True)
+        except SessionLogError as err:
+            print("refused", err.code, err.message, flush=True)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_writer_process_paused_past_its_ttl_is_refused_and_the_process_that_opened_the_session_is_not(
+    logs: Logs, url: str, tmp_path: Path
+) -> None:
+    log = await logs.connect(url)
+    sid = new_session_id("paused")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONLOG_")}
+    env.update(SESSIONLOG_NATS_URL=url, SESSIONLOG_LEASE_TTL_S=str(LEASE_TTL_S))
+    script = WRITER_PROCESS.format(tests=str(Path(__file__).parent), sid=sid)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 20)
+        assert line.strip() == b"ready", proc.stderr.read() if proc.stderr else b""
+        before = await log.reader.events(sid)
+        await freeze(proc.pid)
+        try:
+
+            async def lease_free() -> bool:
+                return await log.leases.current(sid) is None
+
+            await eventually(lease_free, "the paused writer's lease expiring")
+            successor = logs.keep(await log.open(sid))
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.stdin.write(b"write\n")
+        proc.stdin.flush()
+        answer = (await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), WAIT_S)).decode()
+        assert answer.split()[:2] == ["refused", "LEASE_LOST"], answer
+
+        more = await closed_turn(successor, "The new holder writes.")
+        assert await successor.flush() == len(before) + len(more) - 1
+        assert await log.reader.events(sid) == before + raws(more), "nothing of the paused writer after the pause"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def block_until_lease_expired(url: str, session_id: str) -> None:
+    """Block the calling thread (and so its event loop) until the session's lease is gone on the server, as seen
+    by a connection of another thread."""
+
+    async def expired() -> None:
+        log = await SessionLog.connect(log_settings(url), provision_stores=False)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while await log.leases.current(session_id) is not None:
+                assert time.monotonic() < deadline, "the lease did not expire"
+                await asyncio.sleep(0.05)
+        finally:
+            await log.close()
+
+    failures: list[BaseException] = []
+    thread = threading.Thread(target=lambda: failures.extend(_raised(lambda: asyncio.run(expired()))))
+    thread.start()
+    thread.join(WAIT_S * 2)
+    assert not thread.is_alive() and not failures, failures
+
+
+def _raised(step: Callable[[], object]) -> list[BaseException]:
+    try:
+        step()
+    except BaseException as err:
+        return [err]
+    return []
+
+
+async def test_a_writer_whose_loop_was_blocked_past_its_ttl_gets_lease_lost_naming_why_and_writes_nothing(
+    logs: Logs, url: str
+) -> None:
+    log = await logs.connect(url)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    written = await closed_turn(writer)
+    await writer.flush()
+
+    # A synchronous model call blocks the event loop (nothing refreshes the lease) until the server has expired it.
+    block_until_lease_expired(url, sid)
+    await closed_turn(writer, "After the blocking call.")
+    with pytest.raises(SessionLogError) as refused:
+        await writer.flush()
+    assert refused.value.code == "LEASE_LOST"
+    assert "not refreshed for" in refused.value.message and "blocked" in refused.value.message
+    assert await log.reader.events(sid) == raws(written), "nothing was written without the lease"
+    await writer.abandon()
 
 
 # ---------------------------------------------------------------------------------------------- failures
@@ -432,6 +591,36 @@ async def test_a_flush_cancelled_while_its_record_is_in_flight_lands_it_exactly_
     assert await log.reader.events(sid) == raws(written + more)
 
 
+async def test_a_cancelled_flush_then_another_emit_settles_the_in_doubt_batch_as_it_was_sent(
+    fresh_server: EmbeddedServer, logs: Logs
+) -> None:
+    # The cancelled flush's record reaches the (frozen) server; events emitted after the cancel must not join it:
+    # the same message id with a larger batch would be a "duplicate" of different bytes, a false CONFLICT.
+    log = await logs.connect(fresh_server.url, request_timeout_s=3.0, lease_ttl_s=10.0)
+    sid = new_session_id()
+    writer = await logs.create(log, sid)
+    written = await closed_turn(writer)
+    await writer.flush()
+    pid = fresh_server.pid
+    assert pid is not None
+
+    await freeze(pid)
+    try:
+        written += await closed_turn(writer, "In flight when the flush is cancelled.")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.2):  # the record is on the wire; no ack can come
+                await writer.flush()
+        # The caller goes on at once, in its own task: nothing else has run since the cancel.
+        written += await closed_turn(writer, "Emitted after the cancel.")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    assert await asyncio.wait_for(writer.flush(), WAIT_S) == len(written) - 1
+    records = await log.reader.records(sid)
+    assert_contiguous(records)
+    assert [e for r in records for e in r.events] == raws(written)
+
+
 async def test_a_lease_refresh_that_timed_out_but_landed_does_not_fence_the_writer(
     fresh_server: EmbeddedServer, logs: Logs
 ) -> None:
@@ -490,7 +679,7 @@ async def test_a_flush_with_the_server_gone_is_log_unavailable_and_reports_nothi
     fresh_server: EmbeddedServer, logs: Logs
 ) -> None:
     timeout = 2.0
-    log = await logs.connect(fresh_server.url, request_timeout_s=timeout, lease_ttl_s=10.0)
+    log = await logs.connect(fresh_server.url, request_timeout_s=timeout, publish_retry_s=timeout, lease_ttl_s=10.0)
     writer = await logs.create(log)
     written = await closed_turn(writer)
     durable = await writer.flush()
@@ -510,7 +699,7 @@ async def test_big_records_of_several_writers_with_the_server_gone_are_log_unava
     fresh_server: EmbeddedServer, logs: Logs
 ) -> None:
     timeout = 2.0
-    log = await logs.connect(fresh_server.url, request_timeout_s=timeout, lease_ttl_s=10.0)
+    log = await logs.connect(fresh_server.url, request_timeout_s=timeout, publish_retry_s=timeout, lease_ttl_s=10.0)
     writers = [await logs.create(log) for _ in range(3)]
     for writer in writers:
         await writer.emit("turn/start", {"turn": 1})

@@ -9,8 +9,8 @@ import pytest
 from natsfixtures import log_settings, new_session_id, start_server
 
 from services.context_deriver import ContextDeriver
-from sessionlog.errors import SessionNotFound
-from sessionlog.log import PurgeRefused, SessionLog
+from sessionlog.errors import PurgeRefused, SessionNotFound
+from sessionlog.log import SessionLog
 from sessionlog.runner import ProjectionRunner
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -39,6 +39,7 @@ from test_gateway import gateway_config
 from test_runner import ids_in_partition, publish_raw
 
 from services.gateway import ScriptedProvider, ServerThread, build_app
+from services.stack import Stack
 from sessionlog.embedded import EmbeddedServer, free_port
 from sessionlog.errors import ERRORS_BY_CODE, SessionLogError
 from sessionlog.jsonl import parse_jsonl
@@ -46,7 +47,6 @@ from sessionlog.log import SessionLog
 from sessionlog.micro import call
 from sessionlog.provision import partition_of
 from sessionlog.record import encode_payload, record_headers
-from sessionlog.services import Stack
 from sessionlog.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

@@ -445,11 +445,14 @@ def test_resume_of_a_recorder_style_log_writes_no_seqs() -> None:
 
 
 def test_the_next_header_after_resume_is_resume_when_the_log_has_one_else_initial() -> None:
+    """The rule the agent follows (`next_header_reason`), applied to logs a resume has just ended."""
     with_header = closed_session()
-    assert next_header_reason(with_header.session) == "resume"
+    assert next_header_reason(with_header.session) is None  # no resume since the header: it still holds
+    assert next_header_reason(apply(with_header.session, resume_events(with_header.session, now_ms=NOW_MS))) == "resume"
     b = SessionBuilder()
     b.turn_start()
     b.user_message("no header yet")
     b.turn_end()
     assert next_header_reason(b.session) == "initial"
+    assert next_header_reason(apply(b.session, resume_events(b.session, now_ms=NOW_MS))) == "initial"
     assert next_header_reason(Session()) == "initial"

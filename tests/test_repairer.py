@@ -4,7 +4,7 @@ nats-server processes and real service instances.
 What it promises (SPEC section 7): when a session has an open turn and no live writer lease for longer than the
 grace period, it appends the closers of `interrupted_turn_closers`, byte for byte, with the right codes
 (`TOOL_OUTCOME_UNKNOWN` for a call whose `tool/call` is durable, `TOOL_NOT_STARTED` for one only announced); a
-writer that comes back afterwards is fenced with `CONFLICT`; two repairers racing land one copy; the endpoint
+writer that comes back afterwards is fenced with `LEASE_LOST`; two repairers racing land one copy; the endpoint
 refuses with `LEASE_HELD` while a live writer holds the session and answers `{"closers": []}` for a closed one.
 """
 
@@ -208,7 +208,7 @@ async def test_a_writer_that_comes_back_after_the_repair_is_fenced_and_resumes(s
         await writer.emit("tool/result", result, surface_op="append", source_event_seqs=[len(prefix) - 1])
     with pytest.raises(SessionLogError) as fenced:
         await writer.flush()
-    assert fenced.value.code == "CONFLICT"
+    assert fenced.value.code == "LEASE_LOST", "its lease expired: the repairer is not a competing writer"
     assert await log.reader.events(writer.session_id) == prefix + closers, "the late writer changed nothing"
 
     resumed = await log.resume(writer.session_id)

@@ -17,12 +17,17 @@ import pytest_asyncio
 from natsfixtures import log_settings, new_session_id
 from scaffold import WAIT_S, serving
 from sessiongen import text_block
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 from test_fixtures_corpus import FIXTURE_FILES, import_corpus, read_fixture
 
+from services.stack import factory
 from services.ui_replayer.service import UIReplayerService
+from sessionlog.errors import CODES, error_from_code
 from sessionlog.events import SURFACE_TYPES
 from sessionlog.log import SessionLog, SessionWriter
-from sessionlog.services import RunOptions, factory
+from sessionlog.services import RunOptions
 from sessionlog.session import Session
 from sessionlog.transcript import build_transcript, transcript_json
 
@@ -159,6 +164,30 @@ async def test_unknown_sessions_and_bad_parameters_are_refused_clearly(http: htt
     assert bad.status_code == 400 and "INVALID_SESSION_ID" in bad.text
     bad_seq = await http.get("/sessions/no-such-session/events", params={"from_seq": "x"})
     assert bad_seq.status_code in (400, 404)
+
+
+async def test_refusals_answer_the_status_of_the_one_error_table(
+    http: httpx.AsyncClient, ui: UIReplayerService, fixtures: dict[str, str]
+) -> None:
+    session_id = next(iter(fixtures.values()))
+    answers = {
+        "SESSION_NOT_FOUND": await http.get("/api/sessions/no-such-session/transcript"),
+        "INVALID_SESSION_ID": await http.get("/api/sessions/bad.id/transcript"),
+        "INVALID_BOUNDARY": await http.get(f"/api/sessions/{session_id}/transcript", params={"at": 10**6}),
+    }
+
+    # Codes a healthy UI does not meet on demand, raised inside the UI's own app so its error handler answers them.
+    async def refuse(request: Request) -> Response:
+        raise error_from_code(request.path_params["code"], "raised by the test")
+
+    app = ui.build_app()
+    app.router.routes.append(Route("/api/refuse/{code}", refuse))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ui") as client:
+        for code in ("STRUCTURE_INVALID", "LOG_UNAVAILABLE", "CORRUPT_LOG", "CONFLICT"):
+            answers[code] = await client.get(f"/api/refuse/{code}")
+    for code, response in answers.items():
+        assert response.json()["error"]["code"] == code, response.text
+        assert response.status_code == CODES[code].status, (code, response.status_code)
 
 
 async def test_the_session_list_is_newest_first_searchable_and_flags_open_turns(

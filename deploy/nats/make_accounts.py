@@ -105,7 +105,9 @@ def read_log(p: Permissions) -> None:
 
 
 def list_sessions(p: Permissions) -> None:
-    p.publish("list sessions (KV keys: an ordered consumer on the header bucket, and its info)",
+    p.publish("list sessions (batch direct gets of the header bucket: any replica answers, quorum or not)",
+              f"{API}.DIRECT.GET.KV_{KV_SESSIONS}")  # fmt: skip
+    p.publish("follow the session list (a KV watcher: an ordered consumer on the header bucket, and its info)",
               f"{API}.CONSUMER.CREATE.KV_{KV_SESSIONS}", f"{API}.CONSUMER.INFO.KV_{KV_SESSIONS}.*",
               f"$JS.FC.KV_{KV_SESSIONS}.>")  # fmt: skip
 

@@ -13,6 +13,6 @@ A replica that owns the session's partition answers from memory; any other answe
 
 from __future__ import annotations
 
-from .service import ContextDeriver, ContextDeriverService, DeriverState, serve
+from .service import ContextDeriver, ContextDeriverService, DeriverState
 
-__all__ = ["ContextDeriver", "ContextDeriverService", "DeriverState", "serve"]
+__all__ = ["ContextDeriver", "ContextDeriverService", "DeriverState"]

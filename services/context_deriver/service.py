@@ -263,9 +263,3 @@ def _opt_int(body: dict[str, Any], key: str) -> int | None:
     if type(value) is not int or value < 0:
         raise InvalidRequest(f"request field `{key}` must be a non-negative integer, got {value!r}")
     return value
-
-
-async def serve(log: SessionLog, **runner_options: Any) -> ContextDeriverService:
-    service = ContextDeriverService(log, **runner_options)
-    await service.start()
-    return service

@@ -1,12 +1,15 @@
 """The gateway: the only road from an agent to a model provider, with the invariant before every request.
 
-`serve(settings)` runs it (what `sessionlog serve gateway` calls); `build_app(settings, ...)` gives the ASGI app.
+`serve(settings)` runs it on its own (`python -m services.gateway`; `sessionlog serve gateway` runs `run.start`);
+`build_app(settings, ...)` gives the ASGI app.
 """
 
 from __future__ import annotations
 
 import logging
 
+from sessionlog.asgi import serve_until_cancelled
+from sessionlog.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sessionlog.record import raw_subject
 from sessionlog.settings import Settings
 
@@ -14,8 +17,8 @@ from .app import Gateway, build_app
 from .config import GatewayConfig
 from .derivation import ContextDeriverClient, Derivation, DerivationSource, StreamSource
 from .scripted import ScriptedProvider, load_script
-from .serving import ServerThread, serve_app
-from .upstream import UpstreamConfig, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from .serving import ServerThread
+from .upstream import UpstreamConfig
 
 log = logging.getLogger("sessionlog.gateway")
 
@@ -25,7 +28,7 @@ async def serve(settings: Settings, config: GatewayConfig | None = None) -> None
     config = config or GatewayConfig.from_settings(settings)
     app = build_app(settings, config)
     log.info("gateway on http://%s:%d, upstream %s", config.host, config.port, config.upstream.base_url)
-    await serve_app(app, config.host, config.port)
+    await serve_until_cancelled(app, config.host, config.port, name="the gateway")
 
 
 __all__ = [

@@ -43,7 +43,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from sessionlog.errors import LogUnavailable, SessionLogError, StructureInvalid
+from sessionlog.errors import (
+    LogUnavailable,
+    MethodNotAllowed,
+    RouteNotFound,
+    SessionLogError,
+    StructureInvalid,
+    UpstreamError,
+    http_status,
+)
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
 from sessionlog.record import H_RAW_OUTCOME, H_RAW_SESSION_SEQ, H_RAW_STATUS
@@ -56,6 +64,7 @@ from sessionlog.wire import (
     compare_request,
     parse_request,
     to_wire,
+    too_deep,
 )
 
 from .config import GatewayConfig
@@ -67,7 +76,6 @@ from .tenants import Tenants
 from .upstream import (
     Upstream,
     UpstreamConfig,
-    UpstreamError,
     gateway_status_for,
     stream_error,
     upstream_error_message,
@@ -96,30 +104,12 @@ class Observer(Protocol):
         `client_disconnected` or `upstream_error`."""
 
 
-STATUS_BY_CODE: Final[Mapping[str, int]] = {
-    "DERIVATION_DIVERGES": 409,
-    "HEADER_DIVERGES": 409,
-    "STRUCTURE_INVALID": 409,
-    "SESSION_NOT_FOUND": 404,
-    "SESSION_BUSY": 409,
-    "INVALID_SESSION_ID": 400,
-    "INVALID_REQUEST": 400,
-    "UNAUTHORIZED": 401,
-    "NOT_FOUND": 404,
-    "METHOD_NOT_ALLOWED": 405,
-    "UNSUPPORTED_CONTENT": 422,
-    "LOG_UNAVAILABLE": 503,
-    "UPSTREAM_TIMEOUT": 504,
-    "UPSTREAM_UNREACHABLE": 502,
-}
-
-
 class _ClientGone(Exception):
     """The client disconnected while the gateway waited for the provider."""
 
 
 def error_body(err: SessionLogError, *, request_id: str, path: str | None = None) -> dict[str, Any]:
-    status = _status_of(err)
+    status = http_status(err)
     kind = "invalid_request_error" if status < 500 else "server_error"
     if err.code.startswith("UPSTREAM_"):
         kind = "upstream_error"
@@ -144,12 +134,6 @@ _LEADING_PATH: Final = re.compile(r"\$(?:\.[A-Za-z_]\w*|\[\d+\])*(?=[:\s]|$)")
 def _leading_path(message: str) -> str | None:
     found = _LEADING_PATH.match(message)
     return found.group() if found is not None else None
-
-
-def _status_of(err: SessionLogError) -> int:
-    if isinstance(err, UpstreamError):
-        return err.status
-    return STATUS_BY_CODE.get(err.code, 500)
 
 
 def _no_retry(status: int) -> dict[str, str]:
@@ -339,6 +323,8 @@ class Gateway:
                 divergence = compare_request(parsed, derivation.messages, header, cache=self._cache(call.session_id))
         except SessionLogError as err:
             return self._refuse(call, err)
+        except RecursionError:  # `messages` decoded lazily, or compared, nested past what can recurse
+            return self._refuse(call, too_deep())
         except (nats.errors.Error, OSError) as exc:
             return self._refuse(call, LogUnavailable(f"the log cannot be read: {type(exc).__name__}: {exc}"))
         if divergence is not None:
@@ -376,8 +362,8 @@ class Gateway:
         path = divergence.path if divergence is not None else _leading_path(err.message)
         self.metrics.requests.labels(call.mode, "refused").inc()
         self.metrics.refusals.labels(err.code).inc()
-        self._log_call(call, "refused", code=err.code, path=path, status=_status_of(err))
-        status = _status_of(err)
+        self._log_call(call, "refused", code=err.code, path=path, status=http_status(err))
+        status = http_status(err)
         return JSONResponse(
             error_body(err, request_id=call.request_id, path=path),
             status_code=status,
@@ -443,8 +429,8 @@ class Gateway:
             self.metrics.upstream_errors.labels(err.code).inc()
             self._finish(call, "upstream_error", [request_entry], upstream_s=time.perf_counter() - sent, code=err.code)
             if observer is not None:
-                await observer.ended("upstream_error", _status_of(err), message=str(err))
-            return JSONResponse(error_body(err, request_id=call.request_id), status_code=_status_of(err))
+                await observer.ended("upstream_error", http_status(err), message=str(err))
+            return JSONResponse(error_body(err, request_id=call.request_id), status_code=http_status(err))
         except BaseException:
             if observer is not None:
                 detach(observer.ended("client_disconnected", 499))
@@ -478,8 +464,8 @@ class Gateway:
                 call, "upstream_error", [request_entry], upstream_s=time.perf_counter() - sent, code=failure.code
             )
             if observer is not None:
-                await observer.ended("upstream_error", _status_of(failure), message=str(failure))
-            return JSONResponse(error_body(failure, request_id=call.request_id), status_code=_status_of(failure))
+                await observer.ended("upstream_error", http_status(failure), message=str(failure))
+            return JSONResponse(error_body(failure, request_id=call.request_id), status_code=http_status(failure))
         await response.aclose()
         if observer is not None:  # logged before the client has the answer: the session is free when it does
             await observer.ended("forwarded", 200, body=data)
@@ -663,18 +649,6 @@ async def _unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await work
     raise _ClientGone
-
-
-class RouteNotFound(SessionLogError):
-    """No gateway endpoint at that path."""
-
-    code = "NOT_FOUND"
-
-
-class MethodNotAllowed(SessionLogError):
-    """The path exists but not for that HTTP method."""
-
-    code = "METHOD_NOT_ALLOWED"
 
 
 async def _route_error(request: Request, exc: Exception) -> Response:

@@ -1,10 +1,4 @@
-"""The gateway's configuration, taken from the shared `Settings` (the only place settings are read).
-
-Settings the library does not define yet fall back to the defaults here (read with `getattr`, so adding the field
-to `Settings` is all it takes to make one configurable): `gateway_upstream_timeout_s`,
-`gateway_upstream_connect_timeout_s`, `gateway_derive_wait_s`, `gateway_deriver_timeout_s`, `gateway_derivation`,
-`gateway_raw_tee`.
-"""
+"""The gateway's configuration, taken from the shared `Settings` (the only place settings are read and defaulted)."""
 
 from __future__ import annotations
 
@@ -51,19 +45,19 @@ class GatewayConfig:
             base_url=settings.provider_base_url,
             api_key=key,
             model_map=dict(settings.provider_model_map),
-            timeout_s=float(getattr(settings, "gateway_upstream_timeout_s", 300.0)),
-            connect_timeout_s=float(getattr(settings, "gateway_upstream_connect_timeout_s", 10.0)),
+            timeout_s=settings.gateway_upstream_timeout_s,
+            connect_timeout_s=settings.gateway_upstream_connect_timeout_s,
         )
         config = cls(
             host=settings.gateway_host,
             port=settings.gateway_port,
             api_key=settings.gateway_api_key,
             upstream=upstream,
-            derivation=getattr(settings, "gateway_derivation", "auto"),
-            derive_wait_s=float(getattr(settings, "gateway_derive_wait_s", max(5.0, settings.request_timeout_s))),
-            deriver_timeout_s=float(getattr(settings, "gateway_deriver_timeout_s", 1.0)),
+            derivation=settings.gateway_derivation,
+            derive_wait_s=settings.gateway_derive_wait_s,
+            deriver_timeout_s=settings.gateway_deriver_timeout_s,
             raw_stream=settings.raw_stream,
-            raw_tee=bool(getattr(settings, "gateway_raw_tee", True)),
+            raw_tee=settings.gateway_raw_tee,
             metrics_port=settings.metrics_port,
         )
         return replace(config, **overrides)

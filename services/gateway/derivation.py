@@ -92,9 +92,6 @@ class StreamSource:
         self._max = max_sessions
         self._live: OrderedDict[str, _Live] = OrderedDict()
 
-    def forget(self, session_id: str) -> None:
-        self._live.pop(session_id, None)
-
     async def _load(self, session_id: str) -> _Live:
         if await self._log.header(session_id) is None:
             raise SessionNotFound(f"session {session_id} not found")

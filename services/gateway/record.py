@@ -52,18 +52,20 @@ from sessionlog.errors import (
     Conflict,
     DerivationDiverges,
     InvalidRequest,
+    LeaseHeld,
     SessionAlreadyExists,
+    SessionBusy,
     SessionLogError,
     SessionNotFound,
+    http_status,
 )
 from sessionlog.events import ToolCallBlock, ToolResultBlock
 from sessionlog.ids import check_session_id
-from sessionlog.leases import LeaseHeld
 from sessionlog.log import SessionWriter
 from sessionlog.session import DerivedMessage, Session
 from sessionlog.surface import ReplaceOp
 from sessionlog.tasks import detach
-from sessionlog.wire import PHRASE, WireCache, compare_request, parse_request
+from sessionlog.wire import PHRASE, WireCache, compare_request, parse_request, too_deep
 from sessionlog.wireforms import (
     ResponseAssembler,
     SseLines,
@@ -86,12 +88,6 @@ log = logging.getLogger("sessionlog.gateway")
 RELEASE_PREFIX: Final = "sessionlog.gateway.release."
 _FINISH_WAIT_S: Final = 5.0
 _msg_decoder: Final = msgspec.json.Decoder(list[Any])
-
-
-class SessionBusy(SessionLogError):
-    """Another request of the session is being answered (here or by another gateway replica)."""
-
-    code = "SESSION_BUSY"
 
 
 def _new_id(prefix: str) -> str:
@@ -206,7 +202,7 @@ class Recorder:
     # ---------------------------------------------------------------------------------- endpoints
 
     async def models(self, request: Request) -> Response:
-        from .app import _no_retry, _request_id, _status_of, error_body
+        from .app import _no_retry, _request_id, error_body
 
         request_id = _request_id()
         try:
@@ -215,7 +211,9 @@ class Recorder:
             data = await self.gateway.upstream_models()
         except SessionLogError as err:
             return JSONResponse(
-                error_body(err, request_id=request_id), status_code=_status_of(err), headers=_no_retry(_status_of(err))
+                error_body(err, request_id=request_id),
+                status_code=http_status(err),
+                headers=_no_retry(http_status(err)),
             )
         return Response(data, media_type="application/json")
 
@@ -233,7 +231,8 @@ class Recorder:
             parsed = parse_request(body, lazy=True)
             writer = await self._writer(session_id, held)
             exchange = await self._log_request(call, held, writer, parsed)
-        except SessionLogError as err:
+        except (SessionLogError, RecursionError) as caught:
+            err = too_deep() if isinstance(caught, RecursionError) else caught
             if held is not None:
                 self._free(call.session_id, held, broken=isinstance(err, Conflict) or held.dirty)
             return gateway.refuse(call, err)

@@ -1,4 +1,4 @@
-"""`sessionlog serve gateway`: the gateway as a service of the process stack (`sessionlog.services`).
+"""`sessionlog serve gateway`: the gateway as a service of the process stack (`services.stack`).
 
 The stack owns the NATS connection and the process's health and metrics server; the gateway serves HTTP on
 `gateway_host:gateway_port` in the same event loop and reports its metrics into the process registry.
@@ -6,19 +6,17 @@ The stack owns the NATS connection and the process's health and metrics server; 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from typing import Any
 
 from prometheus_client import REGISTRY
 
+from sessionlog.asgi import AsgiServer, serve_asgi
 from sessionlog.log import SessionLog
 from sessionlog.services import RunOptions
 
 from .app import Gateway, build_app
 from .config import GatewayConfig
 from .metrics import GatewayMetrics
-from .serving import serve_app
 
 _process_metrics: GatewayMetrics | None = None
 
@@ -37,25 +35,20 @@ class GatewayService:
         self.config = config
         self.app = build_app(log.settings, config, log=log, metrics=process_metrics())
         self.gateway: Gateway = self.app.state.gateway
-        self._task: asyncio.Task[None] | None = None
+        self._server: AsgiServer | None = None
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(serve_app(self.app, self.config.host, self.config.port), name="gateway")
-        await asyncio.sleep(0)
-        while not self.gateway.started and not self._task.done():
-            await asyncio.sleep(0.01)
-        if self._task.done():
-            self._task.result()
+        self._server = await serve_asgi(
+            self.app, self.config.host, self.config.port, name="the gateway", hint="set SESSIONLOG_GATEWAY_PORT"
+        )
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        if self._server is not None:
+            await self._server.stop()
+            self._server = None
 
     def health(self) -> dict[str, Any]:
-        running = self._task is not None and not self._task.done()
+        running = self._server is not None and not self._server.task.done()
         connected = self.log.nc.is_connected
         return {
             "live": running,

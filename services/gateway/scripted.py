@@ -273,13 +273,13 @@ def run(script: Path, *, host: str = "127.0.0.1", port: int = 8479, cycle: bool 
     The script is read before anything listens, so a bad one fails at once (`ValueError`, `msgspec.DecodeError`
     or `OSError`) instead of answering 500 on the first request.
     """
-    from .serving import serve_app
+    from sessionlog import asgi
 
     replies = load_script(script)
     provider = ScriptedProvider(replies, cycle=cycle)
 
     async def serve() -> None:
-        task = asyncio.ensure_future(serve_app(provider.app(), host, port))
+        task = asyncio.ensure_future(asgi.serve_until_cancelled(provider.app(), host, port))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)

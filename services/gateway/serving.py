@@ -1,55 +1,17 @@
-"""Running ASGI apps with uvicorn: in the current event loop until cancelled, or in a background thread.
-
-`serve_app` is what `sessionlog serve gateway` runs; `ServerThread` runs an app (the gateway, the scripted
-provider) on a free loopback port in a thread of its own, with its own event loop, for tests, benchmarks and the
-example. Sockets are bound before uvicorn starts, so the port is known and never raced for.
+"""`ServerThread`: an ASGI app (the gateway, the scripted provider) on a free loopback port in a thread of its own,
+with its own event loop, for tests, benchmarks and the example. A process serves in its own loop with
+`sessionlog.asgi.serve_asgi`; both bind the socket before uvicorn starts, so the port is known and never raced for.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import threading
 from typing import Any
 
 import uvicorn
 
-
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and without it
-    # Nagle's algorithm meets delayed ACKs and a small response waits ~40 ms
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
-def _config(app: Any, **options: Any) -> uvicorn.Config:
-    options.setdefault("log_level", "warning")
-    options.setdefault("access_log", False)
-    options.setdefault("lifespan", "on")
-    return uvicorn.Config(app, **options)
-
-
-async def serve_app(app: Any, host: str, port: int, **options: Any) -> None:
-    """Serve `app` on host:port until cancelled, then shut down gracefully (lifespan shutdown included)."""
-    server = uvicorn.Server(_config(app, **options))
-    sock = bind(host, port)
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, timeout=10)
-        raise
-    finally:
-        sock.close()
+from sessionlog.asgi import bind, uvicorn_config
 
 
 class ServerThread:
@@ -59,7 +21,7 @@ class ServerThread:
         self._sock = bind(host, port)
         self.host = host
         self.port: int = self._sock.getsockname()[1]
-        self.server = uvicorn.Server(_config(app, **options))
+        self.server = uvicorn.Server(uvicorn_config(app, **options))
         self._thread = threading.Thread(target=self._run, name=f"uvicorn-{self.port}", daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None

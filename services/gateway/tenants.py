@@ -16,23 +16,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
-from sessionlog.errors import SessionLogError
+from sessionlog.errors import InvalidKeys, Unauthorized
 from sessionlog.settings import Settings
 
 DEFAULT_TENANT: Final = "default"
 _HEX_RE: Final = re.compile(r"^[0-9a-f]{64}$")
-
-
-class Unauthorized(SessionLogError):
-    """The gateway has API keys and the request did not present one of them."""
-
-    code = "UNAUTHORIZED"
-
-
-class InvalidKeys(SessionLogError):
-    """A keys setting or file that is not what the documentation says."""
-
-    code = "INVALID_KEYS"
 
 
 def key_digest(key: str) -> str:

@@ -15,31 +15,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from sessionlog.errors import SessionLogError
+from sessionlog.errors import SessionLogError, UpstreamTimeout, UpstreamUnreachable
 from sessionlog.wire import checked_body
-
-
-class UpstreamError(SessionLogError):
-    """The provider answered with an error status; `status` is what the gateway answers with."""
-
-    code = "UPSTREAM_ERROR"
-
-    def __init__(self, message: str, *, status: int = 502, upstream_status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.upstream_status = upstream_status
-
-
-class UpstreamTimeout(SessionLogError):
-    """The provider did not connect, answer or send the next bytes within the gateway's timeout."""
-
-    code = "UPSTREAM_TIMEOUT"
-
-
-class UpstreamUnreachable(SessionLogError):
-    """The provider could not be reached (connection refused, DNS, TLS) or dropped the connection."""
-
-    code = "UPSTREAM_UNREACHABLE"
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ It tracks open turns (from the records, and at start from each session's last re
 a session has an open turn and no live lease for longer than the grace period, it appends the closers of
 `interrupted_turn_closers` with optimistic concurrency. The closers are deterministic, so two repairers racing
 publish byte-identical records under the same message id: exactly one copy lands, the other sees the turn
-closed. A writer that comes back after a repair is fenced by `CONFLICT` and must resume.
+closed. A writer that comes back after a repair is fenced by `LEASE_LOST` and must resume.
 
 Endpoint (NATS micro service `sessionlog-repair`): `sessionlog.repair.close` `{"session"}` ->
 `{"session", "closers": [events]}`, refused with `LEASE_HELD` while a live writer holds the session; a session
@@ -13,6 +13,6 @@ already closed answers `{"closers": []}`.
 
 from __future__ import annotations
 
-from .service import Repairer, RepairerService, RepairState, serve
+from .service import Repairer, RepairerService, RepairState
 
-__all__ = ["RepairState", "Repairer", "RepairerService", "serve"]
+__all__ = ["RepairState", "Repairer", "RepairerService"]

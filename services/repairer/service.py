@@ -10,9 +10,9 @@ from typing import Any, ClassVar, Final
 
 import msgspec
 
-from sessionlog.errors import Conflict, InvalidRequest, SessionLogError, SessionNotFound
+from sessionlog.errors import Conflict, InvalidRequest, LeaseHeld, LeaseLost, SessionLogError, SessionNotFound
 from sessionlog.ids import check_session_id
-from sessionlog.leases import LeaseHeld, LeaseLost, Leases
+from sessionlog.leases import Leases
 from sessionlog.log import RecordPublisher, SessionLog
 from sessionlog.record import Record
 from sessionlog.repair import interrupted_turn_closers
@@ -186,9 +186,3 @@ class RepairerService(ProjectionService[RepairState]):
                     self._failed(session_id, err)
                 else:
                     self.unrepairable.pop(session_id, None)
-
-
-async def serve(log_: SessionLog, **runner_options: Any) -> RepairerService:
-    service = RepairerService(log_, **runner_options)
-    await service.start()
-    return service

@@ -15,6 +15,8 @@ that does not own the session's partition answers from the stream.
 
 from __future__ import annotations
 
-from .service import AuditState, TokenAuditor, TokenAuditorService, read_raw_exchanges, serve
+from sessionlog.reader import read_raw_exchanges
 
-__all__ = ["AuditState", "TokenAuditor", "TokenAuditorService", "read_raw_exchanges", "serve"]
+from .service import AuditState, TokenAuditor, TokenAuditorService
+
+__all__ = ["AuditState", "TokenAuditor", "TokenAuditorService", "read_raw_exchanges"]

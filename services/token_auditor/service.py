@@ -22,13 +22,12 @@ from sessionlog.audit import (
     SessionAuditor,
     TokenCounts,
     audit_session,
-    raw_subject,
 )
 from sessionlog.errors import InvalidRequest, LogUnavailable, SessionNotFound
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
 from sessionlog.provision import RAW_ALL
-from sessionlog.reader import StreamReader
+from sessionlog.reader import read_raw_exchanges
 from sessionlog.record import Record
 from sessionlog.runner import Projection, ProjectionRunner, SessionState
 from sessionlog.services import ProjectionService
@@ -115,25 +114,6 @@ def _tuple(counts: TokenCounts) -> tuple[int, ...]:
         counts.cache_write_tokens,
         counts.reasoning_tokens,
     )
-
-
-async def read_raw_exchanges(nc: Any, raw_stream: str, session_id: str, *, timeout: float = 5.0) -> list[RawExchange]:
-    """Every complete exchange the gateway tee recorded for one session, read from the raw stream (direct gets)."""
-    reader = StreamReader(nc, raw_stream, timeout=timeout)
-    assembler = RawAssembler()
-    out: list[RawExchange] = []
-    start = 1
-    subject = raw_subject(session_id)
-    while True:
-        batch, pending = await reader.direct_batch(subject, start)
-        for message in batch:
-            exchange = assembler.add(message.headers, message.data)
-            if exchange is not None:
-                out.append(exchange)
-        if not batch or pending == 0:
-            break
-        start = batch[-1].stream_seq + 1
-    return out
 
 
 class TokenAuditorService(ProjectionService[AuditState]):
@@ -302,9 +282,3 @@ class TokenAuditorService(ProjectionService[AuditState]):
         if timeout_ms is not None and (type(timeout_ms) is not int or timeout_ms < 0):
             raise InvalidRequest(f"audit.report: `timeout_ms` must be a non-negative integer, got {timeout_ms!r}")
         return await self.report(session_id, min_seq=min_seq, timeout=timeout_ms / 1000 if timeout_ms else None)
-
-
-async def serve(log_: SessionLog, **runner_options: Any) -> TokenAuditorService:
-    service = TokenAuditorService(log_, **runner_options)
-    await service.start()
-    return service

@@ -22,16 +22,6 @@ is escaped on the server, and the script builds live content with `textContent` 
 
 from __future__ import annotations
 
-from typing import Any
-
-from sessionlog.log import SessionLog
-
 from .service import UIReplayer, UIReplayerService, UIState
 
-__all__ = ["UIReplayer", "UIReplayerService", "UIState", "serve"]
-
-
-async def serve(log: SessionLog, **options: Any) -> UIReplayerService:
-    service = UIReplayerService(log, **options)
-    await service.start()
-    return service
+__all__ = ["UIReplayer", "UIReplayerService", "UIState"]

@@ -5,26 +5,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
 import msgspec
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.token_auditor.service import read_raw_exchanges
+from sessionlog.asgi import AsgiServer, serve_asgi
 from sessionlog.audit import SessionAuditor
-from sessionlog.errors import InvalidBoundary, SessionLogError, SessionNotFound
+from sessionlog.errors import InvalidBoundary, SessionLogError, SessionNotFound, http_status
 from sessionlog.ids import check_session_id
 from sessionlog.jsonl import SessionHeader, decode_header
 from sessionlog.log import SessionLog
-from sessionlog.metrics import PortInUse
+from sessionlog.reader import read_raw_exchanges
 from sessionlog.record import Record
 from sessionlog.runner import Projection, ProjectionRunner, SessionState
 from sessionlog.services import ProjectionService
@@ -171,8 +169,7 @@ class UIReplayerService(ProjectionService[UIState]):
         self.host = host if host is not None else self.settings.ui_host
         self.port = port if port is not None else self.settings.ui_port
         self._headers: OrderedDict[str, bytes] = OrderedDict()
-        self._server: uvicorn.Server | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._server: AsgiServer | None = None
         self._closing = asyncio.Event()
         self.app = self.build_app()
 
@@ -188,29 +185,16 @@ class UIReplayerService(ProjectionService[UIState]):
         await self.deployment.start()
         if not await self.fleet.caught_up(FLEET_CATCH_UP_S):
             log.warning("ui-replayer: the fleet index is still reading the log; the overview fills in as it does")
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it every
-        # response (headers and body are two writes) waits ~40 ms for the client's delayed ACK.
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.host, self.port))
-        except OSError as exc:
-            sock.close()
-            raise PortInUse(
-                f"cannot serve the ui-replayer on {self.host}:{self.port}: {exc.strerror} "
-                "(set SESSIONLOG_UI_PORT to another port)"
-            ) from None
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2
+        self._server = await serve_asgi(
+            self.app,
+            self.host,
+            self.port,
+            name="the ui-replayer",
+            hint="set SESSIONLOG_UI_PORT to another port",
+            lifespan="off",
+            timeout_graceful_shutdown=2,
         )
-        self._server = uvicorn.Server(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="ui-replayer-http")
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()
-            await asyncio.sleep(0.01)
+        self.port = self._server.port
         log.info("ui-replayer on %s", self.url)
 
     def health(self) -> dict[str, Any]:
@@ -226,10 +210,7 @@ class UIReplayerService(ProjectionService[UIState]):
                 with contextlib.suppress(asyncio.QueueFull):
                     listener.queue.put_nowait([])
         if self._server is not None:
-            self._server.should_exit = True
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(self._task, 10)
+            await self._server.stop(timeout_s=10)
         await self.fleet.stop()
         await self.deployment.stop()
         for queue in list(self.fleet.listeners):
@@ -439,7 +420,7 @@ class UIReplayerService(ProjectionService[UIState]):
 
     async def _error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, SessionLogError)
-        status = 404 if isinstance(exc, SessionNotFound) else 400 if exc.code.startswith("INVALID") else 503
+        status = http_status(exc)
         if request.url.path.startswith("/api/"):
             return JSONResponse({"error": exc.to_dict()}, status_code=status)
         return HTMLResponse(render_error_page(status, str(exc)), status_code=status, headers=SECURITY_HEADERS)

@@ -16,6 +16,7 @@ from typing import Any
 import openai
 
 from .events import Event
+from .fork import next_header_reason
 from .log import SessionWriter
 from .wire import to_wire
 from .wireforms import ResponseAssembler
@@ -122,16 +123,9 @@ class Agent:
     async def start_step(self) -> None:
         self.step += 1
         await self.emit("step/start", {"turn": self.turn, "step": self.step})
-        session = self.writer.session
-        folded = session.fold_request_header()
-        if folded is None or self._resumed_since(folded.seq):
-            reason = "initial" if folded is None else "resume"
+        reason = next_header_reason(self.writer.session)
+        if reason is not None:
             await self.emit("request/header", {"header": self.header, "reason": reason})
-
-    def _resumed_since(self, header_seq: int) -> bool:
-        """A `session/end-seed` after the latest header: the next request writes one with reason `resume`."""
-        session = self.writer.session
-        return any(session[s].type == "session/end-seed" for s in range(header_seq + 1, len(session)))
 
     async def end_turn(self, reason: dict[str, Any]) -> None:
         if self.writer.session.open_step is not None:

@@ -54,7 +54,7 @@ from typing import Any, Final
 import msgspec
 from msgspec import UNSET, Struct
 
-from .errors import SessionLogError
+from .errors import InvalidStep, SessionLogError
 from .events import (
     AssistantMessageData,
     BlockEndChunk,
@@ -112,12 +112,6 @@ _raw_model_decoder: Final = msgspec.json.Decoder(_RawModel)
 
 
 _BLOCK_TYPES: Final = {"TextBlock": "text", "ReasoningBlock": "reasoning", "ToolCallBlock": "tool-call"}
-
-
-class InvalidStep(SessionLogError):
-    """A `--step` that is not `TURN.STEP`, or names a step the session does not have."""
-
-    code = "INVALID_STEP"
 
 
 # ---------------------------------------------------------------------------------------------- results

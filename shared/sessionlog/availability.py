@@ -10,9 +10,11 @@ real answers of the server (wrong last sequence, not found, a bad request), whic
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, Final, ParamSpec, TypeVar
 
@@ -47,7 +49,30 @@ def is_unavailable(err: BaseException) -> bool:
         return False
     if isinstance(err, UNAVAILABLE_ERRORS):
         return True
-    return isinstance(err, nats.js.errors.APIError) and err.code == 503
+    return isinstance(err, nats.js.errors.APIError) and getattr(err, "code", None) == 503
+
+
+def is_unanswered(err: BaseException) -> bool:
+    """Whether nobody was there to answer (no responders): a replica between roles right after a node was lost
+    (seen for about 1.8 s on a 3-node cluster), or a stream electing its leader. Worth asking again soon, unlike
+    a timeout, which has already waited."""
+    if isinstance(err, nats.errors.NoRespondersError | nats.js.errors.ServiceUnavailableError):
+        return True
+    return isinstance(err, nats.js.errors.APIError) and getattr(err, "code", None) == 503
+
+
+async def retry_unanswered(call: Callable[[], Awaitable[R]], budget_s: float) -> R:
+    """`call()`, made again while nobody answers it, until `budget_s` has passed; then its failure propagates."""
+    deadline = time.monotonic() + budget_s
+    delay = 0.05
+    while True:
+        try:
+            return await call()
+        except Exception as err:
+            if not is_unanswered(err) or time.monotonic() + delay >= deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.5)
 
 
 def log_unavailable(operation: str, err: BaseException) -> LogUnavailable:

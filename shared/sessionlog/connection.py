@@ -19,8 +19,8 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 
-from sessionlog.embedded import LOOPBACK, EmbeddedServer, ServerStartFailed, check_version, port_open
-from sessionlog.errors import LogUnavailable
+from sessionlog.embedded import LOOPBACK, EmbeddedServer, check_version, port_open
+from sessionlog.errors import LogUnavailable, ServerStartFailed
 from sessionlog.settings import Settings
 
 logger = logging.getLogger(__name__)

@@ -33,29 +33,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Literal, Self
 
-from sessionlog.errors import SessionLogError
+from sessionlog.errors import ServerNotFound, ServerStartFailed, ServerTooOld
 
 MIN_SERVER_VERSION: tuple[int, int, int] = (2, 11, 0)
 BINARY_NAME = "nats-server"
 LOOPBACK = "127.0.0.1"
-
-
-class ServerNotFound(SessionLogError):
-    """No nats-server binary where one was expected (an explicit path, the venv, PATH)."""
-
-    code = "SERVER_NOT_FOUND"
-
-
-class ServerTooOld(SessionLogError):
-    """A nats-server older than 2.11 (no per-message TTL, no subject delete markers)."""
-
-    code = "SERVER_TOO_OLD"
-
-
-class ServerStartFailed(SessionLogError):
-    """The nats-server process exited, or did not become ready in time; the message carries its log tail."""
-
-    code = "SERVER_START_FAILED"
 
 
 # --- binary and version --------------------------------------------------------------------------------------

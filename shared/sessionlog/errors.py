@@ -2,11 +2,19 @@
 
 A refusal names the rule, the seq it concerns (when there is one) and what was expected, so a person can act
 on it without reading the code. Callers switch on `code`, never on the message text.
+
+Every code the system puts on a wire (a micro-service reply, an HTTP body, a CLI line) is declared here, once, in
+the closed table `CODES`: its class and the HTTP status every HTTP surface answers with (`http_status`). A class
+defined anywhere else is not a wire code. The JetStream API error numbers the log switches on are known here too.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple
+
+if TYPE_CHECKING:
+    from .provision import FieldDifference
 
 
 class SessionLogError(Exception):
@@ -201,26 +209,243 @@ class LogUnavailable(SessionLogError):
     code = "LOG_UNAVAILABLE"
 
 
-def errors_by_code() -> dict[str, type[SessionLogError]]:
-    """Every error class this process knows, by code (subclasses defined in other modules included)."""
-    found: dict[str, type[SessionLogError]] = {}
-    pending: list[type[SessionLogError]] = [SessionLogError]
-    while pending:
-        cls = pending.pop()
-        found.setdefault(cls.code, cls)
-        pending.extend(cls.__subclasses__())
-    return found
+class LeaseHeld(SessionLogError):
+    """Another holder has a live lease on the session."""
+
+    code = "LEASE_HELD"
+
+
+class LeaseLost(SessionLogError):
+    """The lease this holder had expired or was taken over; it must stop writing and reload."""
+
+    code = "LEASE_LOST"
+
+
+class PurgeRefused(SessionLogError):
+    """The streams were created with `deny_purge`, so a session cannot be erased."""
+
+    code = "PURGE_REFUSED"
+
+
+class LogFull(SessionLogError):
+    """The stream refused the write because it is full (`discard: new`): history is never dropped."""
+
+    code = "LOG_FULL"
+
+
+class InvalidStep(SessionLogError):
+    """A `--step` that is not `TURN.STEP`, or names a step the session does not have."""
+
+    code = "INVALID_STEP"
+
+
+class SessionBusy(SessionLogError):
+    """Another request of the session is being answered (here or by another gateway replica)."""
+
+    code = "SESSION_BUSY"
+
+
+# --- the process and its JetStream resources ----------------------------------------------------------------
+
+
+class PortInUse(SessionLogError):
+    """An HTTP port this process was told to serve on is taken."""
+
+    code = "PORT_IN_USE"
+
+
+class StreamMismatch(SessionLogError):
+    """An existing stream or bucket whose configuration differs from what the settings call for."""
+
+    code = "STREAM_MISMATCH"
+
+    def __init__(
+        self, message: str, *, differences: dict[str, list[FieldDifference]] | None = None, seq: int | None = None
+    ) -> None:
+        super().__init__(message, seq=seq)
+        self.differences = differences or {}
+
+
+class ProvisionFailed(SessionLogError):
+    """JetStream refused to create a stream or bucket (limits, permissions, a bad value)."""
+
+    code = "PROVISION_FAILED"
+
+
+class ServerNotFound(SessionLogError):
+    """No nats-server binary where one was expected (an explicit path, the venv, PATH)."""
+
+    code = "SERVER_NOT_FOUND"
+
+
+class ServerTooOld(SessionLogError):
+    """A nats-server older than 2.11 (no per-message TTL, no subject delete markers)."""
+
+    code = "SERVER_TOO_OLD"
+
+
+class ServerStartFailed(SessionLogError):
+    """The nats-server process exited, or did not become ready in time; the message carries its log tail."""
+
+    code = "SERVER_START_FAILED"
+
+
+# --- the gateway's HTTP surface -------------------------------------------------------------------------------
+
+
+class UpstreamError(SessionLogError):
+    """The provider answered with an error status; `status` is what the gateway answers with."""
+
+    code = "UPSTREAM_ERROR"
+
+    def __init__(
+        self, message: str, *, status: int = 502, upstream_status: int | None = None, seq: int | None = None
+    ) -> None:
+        super().__init__(message, seq=seq)
+        self.status = status
+        self.upstream_status = upstream_status
+
+
+class UpstreamTimeout(SessionLogError):
+    """The provider did not connect, answer or send the next bytes within the gateway's timeout."""
+
+    code = "UPSTREAM_TIMEOUT"
+
+
+class UpstreamUnreachable(SessionLogError):
+    """The provider could not be reached (connection refused, DNS, TLS) or dropped the connection."""
+
+    code = "UPSTREAM_UNREACHABLE"
+
+
+class RouteNotFound(SessionLogError):
+    """No endpoint at that path."""
+
+    code = "NOT_FOUND"
+
+
+class MethodNotAllowed(SessionLogError):
+    """The path exists but not for that HTTP method."""
+
+    code = "METHOD_NOT_ALLOWED"
+
+
+class Unauthorized(SessionLogError):
+    """The gateway has API keys and the request did not present one of them."""
+
+    code = "UNAUTHORIZED"
+
+
+class InvalidKeys(SessionLogError):
+    """A keys setting or file that is not what the documentation says."""
+
+    code = "INVALID_KEYS"
+
+
+# --- the closed table -------------------------------------------------------------------------------------------
+
+
+class Code(NamedTuple):
+    """One wire code: the class it is rebuilt as, and the HTTP status every HTTP surface answers it with."""
+
+    cls: type[SessionLogError]
+    status: int
+
+
+def _table(*rows: tuple[type[SessionLogError], int]) -> dict[str, Code]:
+    return {cls.code: Code(cls, status) for cls, status in rows}
+
+
+# 2026-12-03: one status per code for every HTTP surface (gateway, record mode, ui-replayer). The rule: bad input
+# is 4xx and final (400 malformed, 404 absent, 409 against the log's current state, 413/422 cannot be carried);
+# 503 only where a retry can succeed (the log did not answer); a broken store or process is 500. Hence
+# STRUCTURE_INVALID is 409 (the UI said 503, which invites a retry that meets the same refusal).
+CODES: Final[Mapping[str, Code]] = _table(
+    (SessionLogError, 500),
+    # the event and its place in the log (SPEC section 10)
+    (InvalidEvent, 400),
+    (SeqNotContiguous, 409),
+    (SurfaceMarkerRequired, 400),
+    (SurfaceMarkerForbidden, 400),
+    (InvalidSurfaceOp, 400),
+    (ReplaceRangeNotFound, 409),
+    (ReplaceRangeInverted, 409),
+    (ProvenanceInvalid, 400),
+    (ProvenanceIncomplete, 409),
+    (ToolResultReplaceInvalid, 409),
+    (StructureInvalid, 409),
+    (ReplaceSplitsToolPair, 409),
+    (EventTooLarge, 413),
+    (EventTooDeep, 400),
+    (UnsupportedContent, 422),
+    (InvalidRequest, 400),
+    (InvalidStep, 400),
+    # sessions
+    (SessionNotFound, 404),
+    (SessionAlreadyExists, 409),
+    (InvalidSessionId, 400),
+    (InvalidBoundary, 400),
+    (OpenTurn, 409),
+    (Conflict, 409),
+    (SessionBusy, 409),
+    (LeaseHeld, 409),
+    (LeaseLost, 409),
+    (PurgeRefused, 409),
+    (DerivationDiverges, 409),
+    (HeaderDiverges, 409),
+    # the store
+    (CorruptLog, 500),
+    (UnknownEventType, 500),  # on an HTTP surface, only ever read from the stored log
+    (UnsupportedVersion, 500),
+    (LogUnavailable, 503),
+    (LogFull, 507),
+    (StreamMismatch, 500),
+    (ProvisionFailed, 500),
+    (ServerNotFound, 500),
+    (ServerTooOld, 500),
+    (ServerStartFailed, 500),
+    (PortInUse, 500),
+    # HTTP and the provider
+    (Unauthorized, 401),
+    (InvalidKeys, 500),
+    (RouteNotFound, 404),
+    (MethodNotAllowed, 405),
+    (UpstreamError, 502),
+    (UpstreamUnreachable, 502),
+    (UpstreamTimeout, 504),
+)
+
+ERRORS_BY_CODE: Final[Mapping[str, type[SessionLogError]]] = {code: row.cls for code, row in CODES.items()}
+
+
+def http_status(err: SessionLogError) -> int:
+    """The HTTP status of a refusal on every HTTP surface: the table's, except that a provider's error carries the
+    status the gateway chose for it; a code outside the table (a reply from a newer peer) is 500."""
+    if isinstance(err, UpstreamError):
+        return err.status
+    row = CODES.get(err.code)
+    return row.status if row is not None else 500
 
 
 def error_from_code(code: str, message: str, *, seq: int | None = None) -> SessionLogError:
-    """Rebuild a typed error from its wire form (a micro-service reply, a CLI line)."""
-    cls = errors_by_code().get(code)
-    if cls is None:
+    """Rebuild a typed error from its wire form (a micro-service reply, a CLI line); an unknown code keeps its
+    code on a plain `SessionLogError`."""
+    row = CODES.get(code)
+    if row is None:
         err = SessionLogError(message, seq=seq)
         err.code = code  # type: ignore[misc]
         return err
-    return cls(message, seq=seq)
+    return row.cls(message, seq=seq)
 
 
-# The codes of this module (SPEC section 10 and the log's own); `errors_by_code()` also finds later subclasses.
-ERRORS_BY_CODE: dict[str, type[SessionLogError]] = errors_by_code()
+# --- JetStream API error numbers (`err_code` of an API or publish-ack error) ---------------------------------
+
+# An expected-last-sequence write lost the race: 10071 ("wrong last sequence: N"), 10164 (the constant form).
+JS_WRONG_LAST_SEQUENCE: Final = (10071, 10164)
+# The stream is full and refuses new messages (`discard: new`): resources, store full, and the limit forms.
+JS_STORE_FULL: Final = (10047, 10077, 10027)
+# "duplicate message id is in process": an earlier publish with this message id is still being stored (on a
+# cluster, replicated); its outcome is pending, not refused.
+JS_DUPLICATE_IN_PROCESS: Final = 10158
+JS_STREAM_NOT_FOUND: Final = 10059
+JS_STREAM_NAME_IN_USE: Final = 10058

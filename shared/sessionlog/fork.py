@@ -92,6 +92,11 @@ def resume_events(session: Session, *, now_ms: int) -> tuple[bytes, ...]:
     return (*closers, seed)
 
 
-def next_header_reason(session: Session) -> str:
-    """The reason of the next request/header after a resume: `resume` when the log has one, else `initial`."""
-    return "resume" if session.fold_request_header() is not None else "initial"
+def next_header_reason(session: Session) -> str | None:
+    """The reason of the `request/header` the next step must write first: `initial` when the log has none, `resume`
+    when a `session/end-seed` (a resume) follows the latest one, else None (the folded header still holds)."""
+    folded = session.fold_request_header()
+    if folded is None:
+        return "initial"
+    resumed = any(session[seq].type == END_SEED for seq in range(folded.seq + 1, len(session)))
+    return "resume" if resumed else None

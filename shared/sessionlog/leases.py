@@ -1,6 +1,7 @@
-"""Writer leases: one holder per session, kept alive by refreshing, gone when its per-message TTL runs out.
+"""Leases: one holder per key (a session id for its writer, `partition.NAME.N` for a projection's partition claim),
+kept alive by refreshing, gone when its per-message TTL runs out.
 
-A lease is the one entry `$KV.<bucket>.<session_id>` in the lease bucket (history 1, `allow_msg_ttl`, subject
+A lease is the one entry `$KV.<bucket>.<key>` in the lease bucket (history 1, `allow_msg_ttl`, subject
 delete markers; see provision.py). Every write names the sequence it expects to replace
 (`Nats-Expected-Last-Subject-Sequence`), so acquire, refresh, release and takeover are compare-and-set on the
 server: two candidates never both win. A lease that is not refreshed expires on the server, which writes a
@@ -31,28 +32,14 @@ from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 
 from sessionlog.availability import translates_unavailable
-from sessionlog.errors import SessionLogError
+from sessionlog.errors import JS_WRONG_LAST_SEQUENCE, LeaseHeld, LeaseLost
 
 HDR_TTL = "Nats-TTL"
 HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 HDR_MARKER_REASON = "Nats-Marker-Reason"
 HDR_KV_OPERATION = "KV-Operation"
 
-# JetStream refusals of an expected-sequence write: 10071 ("wrong last sequence: N"), 10164 (the constant form).
-_WRONG_LAST_SEQUENCE = (10071, 10164)
 _ACQUIRE_ATTEMPTS = 3
-
-
-class LeaseHeld(SessionLogError):
-    """Another holder has a live lease on the session."""
-
-    code = "LEASE_HELD"
-
-
-class LeaseLost(SessionLogError):
-    """The lease this holder had expired or was taken over; it must stop writing and reload."""
-
-    code = "LEASE_LOST"
 
 
 class _LeaseValue(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -65,7 +52,7 @@ class _LeaseValue(msgspec.Struct, frozen=True, omit_defaults=True):
 class Lease:
     """A lease as last written: `revision` is what the next refresh or release must expect."""
 
-    session_id: str
+    key: str
     holder: str
     epoch: int
     revision: int
@@ -94,33 +81,33 @@ class Leases:
         self.timeout = timeout
         self._decoder = msgspec.json.Decoder(_LeaseValue)
 
-    def subject(self, session_id: str) -> str:
-        return f"$KV.{self.bucket}.{session_id}"
+    def subject(self, key: str) -> str:
+        return f"$KV.{self.bucket}.{key}"
 
-    async def _last(self, session_id: str) -> RawStreamMsg | None:
+    async def _last(self, key: str) -> RawStreamMsg | None:
         # Read from the stream leader, not a direct-get follower: a stale answer would only cost a retry, but
         # a lease decision is rare enough to pay for the fresh one.
         try:
-            msg: RawStreamMsg = await self._js.get_msg(self.stream, subject=self.subject(session_id), direct=False)
+            msg: RawStreamMsg = await self._js.get_msg(self.stream, subject=self.subject(key), direct=False)
         except nats.js.errors.NotFoundError:
             return None
         return msg
 
-    def _lease_of(self, session_id: str, msg: RawStreamMsg) -> Lease | None:
+    def _lease_of(self, key: str, msg: RawStreamMsg) -> Lease | None:
         if _is_tombstone(msg) or msg.seq is None:
             return None
         value = self._decoder.decode(msg.data or b"")
-        return Lease(session_id, value.holder, value.epoch or msg.seq, msg.seq, value.ttl_s)
+        return Lease(key, value.holder, value.epoch or msg.seq, msg.seq, value.ttl_s)
 
-    @translates_unavailable("read the lease of {session_id}")
-    async def current(self, session_id: str) -> Lease | None:
-        """The live lease of the session, or None when it is free (never held, released or expired)."""
-        msg = await self._last(session_id)
-        return self._lease_of(session_id, msg) if msg is not None else None
+    @translates_unavailable("read the lease of {key}")
+    async def current(self, key: str) -> Lease | None:
+        """The live lease of `key`, or None when it is free (never held, released or expired)."""
+        msg = await self._last(key)
+        return self._lease_of(key, msg) if msg is not None else None
 
-    async def _write(self, session_id: str, value: _LeaseValue, expected: int, ttl: str) -> int:
+    async def _write(self, key: str, value: _LeaseValue, expected: int, ttl: str) -> int:
         headers = {HDR_TTL: ttl, HDR_EXPECTED_LAST_SUBJECT_SEQ: str(expected)}
-        return await self._publish(self.subject(session_id), msgspec.json.encode(value), headers)
+        return await self._publish(self.subject(key), msgspec.json.encode(value), headers)
 
     async def _publish(self, subject: str, payload: bytes, headers: dict[str, str]) -> int:
         """One lease write; its stream seq. A write nobody stored (no responders while the bucket elects a new
@@ -139,43 +126,43 @@ class Leases:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    @translates_unavailable("acquire the lease of {session_id}")
-    async def acquire(self, session_id: str, holder: str, ttl_s: float) -> Lease:
-        """Take the session's lease if it is free (or expired); LeaseHeld when someone holds it."""
+    @translates_unavailable("acquire the lease of {key}")
+    async def acquire(self, key: str, holder: str, ttl_s: float) -> Lease:
+        """Take the lease of `key` if it is free (or expired); LeaseHeld when someone holds it."""
         ttl = ttl_header(ttl_s)
         for _ in range(_ACQUIRE_ATTEMPTS):
-            msg = await self._last(session_id)
-            if msg is not None and (held := self._lease_of(session_id, msg)) is not None:
+            msg = await self._last(key)
+            if msg is not None and (held := self._lease_of(key, msg)) is not None:
                 raise LeaseHeld(
-                    f"session {session_id}: lease held by {held.holder!r} (epoch {held.epoch}); "
+                    f"lease of {key} held by {held.holder!r} (epoch {held.epoch}); "
                     f"it expires unless refreshed within {held.ttl_s:g}s"
                 )
             expected = (msg.seq or 0) if msg is not None else 0
             try:
-                seq = await self._write(session_id, _LeaseValue(holder=holder, ttl_s=ttl_s), expected, ttl)
+                seq = await self._write(key, _LeaseValue(holder=holder, ttl_s=ttl_s), expected, ttl)
             except nats.js.errors.APIError as err:
-                if err.err_code in _WRONG_LAST_SEQUENCE:
+                if err.err_code in JS_WRONG_LAST_SEQUENCE:
                     continue  # someone wrote in between, or the marker expired: look again
                 raise
-            return Lease(session_id, holder, seq, seq, ttl_s)
-        current = await self.current(session_id)
+            return Lease(key, holder, seq, seq, ttl_s)
+        current = await self.current(key)
         who = f"held by {current.holder!r} (epoch {current.epoch})" if current else "contended"
-        raise LeaseHeld(f"session {session_id}: lease {who}; gave up after {_ACQUIRE_ATTEMPTS} attempts")
+        raise LeaseHeld(f"lease of {key} {who}; gave up after {_ACQUIRE_ATTEMPTS} attempts")
 
-    @translates_unavailable("refresh the lease of {lease.session_id}")
+    @translates_unavailable("refresh the lease of {lease.key}")
     async def refresh(self, lease: Lease, ttl_s: float | None = None) -> Lease:
         """Extend the lease; LeaseLost when it expired or was taken over since `lease.revision`."""
         ttl_s = lease.ttl_s if ttl_s is None else ttl_s
         value = _LeaseValue(holder=lease.holder, ttl_s=ttl_s, epoch=lease.epoch)
         try:
-            seq = await self._write(lease.session_id, value, lease.revision, ttl_header(ttl_s))
+            seq = await self._write(lease.key, value, lease.revision, ttl_header(ttl_s))
         except nats.js.errors.APIError as err:
-            if err.err_code in _WRONG_LAST_SEQUENCE:
-                raise self._lost(lease, await self.current(lease.session_id)) from err
+            if err.err_code in JS_WRONG_LAST_SEQUENCE:
+                raise self._lost(lease, await self.current(lease.key)) from err
             raise
-        return Lease(lease.session_id, lease.holder, lease.epoch, seq, ttl_s)
+        return Lease(lease.key, lease.holder, lease.epoch, seq, ttl_s)
 
-    @translates_unavailable("release the lease of {lease.session_id}")
+    @translates_unavailable("release the lease of {lease.key}")
     async def release(self, lease: Lease) -> None:
         """Give the lease up now (a delete that expires itself); LeaseLost if it is no longer this one."""
         headers = {
@@ -185,17 +172,17 @@ class Leases:
             HDR_TTL: ttl_header(lease.ttl_s),
         }
         try:
-            await self._publish(self.subject(lease.session_id), b"", headers)
+            await self._publish(self.subject(lease.key), b"", headers)
         except nats.js.errors.APIError as err:
-            if err.err_code in _WRONG_LAST_SEQUENCE:
-                raise self._lost(lease, await self.current(lease.session_id)) from err
+            if err.err_code in JS_WRONG_LAST_SEQUENCE:
+                raise self._lost(lease, await self.current(lease.key)) from err
             raise
 
     @staticmethod
     def _lost(lease: Lease, now: Lease | None) -> LeaseLost:
         if now is None:
-            return LeaseLost(f"session {lease.session_id}: lease epoch {lease.epoch} of {lease.holder!r} expired")
+            return LeaseLost(f"lease of {lease.key}: epoch {lease.epoch} of {lease.holder!r} expired")
         return LeaseLost(
-            f"session {lease.session_id}: lease epoch {lease.epoch} of {lease.holder!r} was taken over by "
+            f"lease of {lease.key}: epoch {lease.epoch} of {lease.holder!r} was taken over by "
             f"{now.holder!r} (epoch {now.epoch})"
         )

@@ -21,7 +21,6 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -32,16 +31,23 @@ import nats.js.errors
 from msgspec import UNSET
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
 
-from .availability import is_unavailable, translates_unavailable
+from .availability import is_unavailable, retry_unanswered, translates_unavailable, unavailable_as_typed
 from .connection import connect as nats_connect
 from .errors import (
+    JS_DUPLICATE_IN_PROCESS,
+    JS_STORE_FULL,
+    JS_WRONG_LAST_SEQUENCE,
     Conflict,
     EventTooLarge,
     InvalidEvent,
+    LeaseLost,
+    LogFull,
     LogUnavailable,
     OpenTurn,
+    PurgeRefused,
     SessionAlreadyExists,
     SessionLogError,
     SessionNotFound,
@@ -50,10 +56,19 @@ from .events import Event, Message, Source, TextBlock, encode_new_event
 from .fork import plan_fork, resume_events
 from .ids import check_session_id
 from .jsonl import JsonlLog, SessionHeader, decode_header, read_jsonl, write_jsonl
-from .leases import Lease, LeaseLost, Leases
+from .leases import Lease, Leases
 from .provision import provision
 from .reader import StreamReader
-from .record import HEADER_ALLOWANCE, Record, encode_payload, events_filter, in_subject, raw_subject, record_headers
+from .record import (
+    H_DIGEST,
+    HEADER_ALLOWANCE,
+    Record,
+    encode_payload,
+    events_filter,
+    in_subject,
+    raw_subject,
+    record_headers,
+)
 from .session import Session
 from .settings import Settings
 from .surface import ReplaceOp
@@ -61,23 +76,10 @@ from .tasks import cancel_and_wait
 
 log = logging.getLogger("sessionlog.writer")
 
-ERR_WRONG_LAST_SEQUENCE: Final = 10071
-ERR_STREAM_STORE_FULL: Final = (10047, 10077, 10027)
+_FENCE_ATTEMPTS: Final = 5  # a stale holder lands at most a few records before the fence does
 
 
 PURGED_PREFIX: Final = "sessionlog.admin.purged."
-
-
-class PurgeRefused(SessionLogError):
-    """The streams were created with `deny_purge`, so a session cannot be erased."""
-
-    code = "PURGE_REFUSED"
-
-
-class LogFull(SessionLogError):
-    """The stream refused the write because it is full (`discard: new`): history is never dropped."""
-
-    code = "LOG_FULL"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +108,16 @@ class SessionLog:
         self.settings = settings
         self.reader = StreamReader(nc, settings.stream, timeout=settings.request_timeout_s)
         self.leases = Leases(self.js, settings.kv_leases, timeout=settings.request_timeout_s)
-        self._kv_sessions: Any = None
+        self._headers_reader = StreamReader(nc, f"KV_{settings.kv_sessions}", timeout=settings.request_timeout_s)
+        # Built, not looked up (`js.key_value` asks the stream leader for its info): headers are read by direct
+        # get, which any replica answers, so a cluster without quorum can still be read.
+        self._kv_sessions = KeyValue(
+            name=settings.kv_sessions,
+            stream=f"KV_{settings.kv_sessions}",
+            pre=f"$KV.{settings.kv_sessions}.",
+            js=self.js,
+            direct=True,
+        )
 
     @classmethod
     @translates_unavailable("connect to the log")
@@ -117,12 +128,21 @@ class SessionLog:
         self = cls(nc, settings)
         try:
             if provision_stores:
-                await provision(self.js, settings)
-            self._kv_sessions = await self.js.key_value(settings.kv_sessions)
+                await self._provision()
         except BaseException:
             await nc.close()
             raise
         return self
+
+    async def _provision(self) -> None:
+        """Create or verify the streams. Without a meta leader or stream leaders (a cluster without quorum) that
+        cannot be done, but reading can (direct gets from a surviving replica): the connection is kept and writes
+        will say `LOG_UNAVAILABLE` themselves. A real refusal (a mismatching stream) still fails the connect."""
+        try:
+            with unavailable_as_typed("provision the log's streams"):
+                await provision(self.js, self.settings)
+        except LogUnavailable as err:
+            log.warning("connected without verifying the streams (reads may still work): %s", err)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -146,11 +166,28 @@ class SessionLog:
         """The session header (its JSONL header line) or None while the session is not visible."""
         check_session_id(session_id)
         try:
-            entry = await self._kv_sessions.get(session_id)
+            entry = await retry_unanswered(lambda: self._kv_sessions.get(session_id), self.settings.request_timeout_s)
         except (KeyNotFoundError, NotFoundError):
             return None
         value: bytes | None = entry.value
         return value or None
+
+    async def _session_ids(self) -> list[str]:
+        """The id of every session with a header: the header bucket read by direct gets (one message per key, its
+        history being 1), which any replica answers, so sessions can be listed without quorum."""
+        prefix = f"$KV.{self.settings.kv_sessions}."
+        out: list[str] = []
+        start = 1
+        while True:
+            batch, pending = await self._headers_reader.direct_batch(f"{prefix}>", start)
+            out.extend(
+                m.subject[len(prefix) :]
+                for m in batch
+                if m.data and m.headers.get("KV-Operation") not in ("DEL", "PURGE")
+            )
+            if not batch or pending == 0:
+                return out
+            start = batch[-1].stream_seq + 1
 
     async def _publish_header(self, session_id: str, header_raw: bytes) -> None:
         try:
@@ -168,13 +205,16 @@ class SessionLog:
     # ---------------------------------------------------------------------------------- reading
 
     @translates_unavailable("load session {session_id}")
-    async def load(self, session_id: str, *, up_to_seq: int | None = None) -> tuple[bytes, Session, Record | None]:
+    async def load(
+        self, session_id: str, *, up_to_seq: int | None = None, min_stream_seq: int = 0
+    ) -> tuple[bytes, Session, Record | None]:
         """The session header, the validated log (its prefix up to `up_to_seq`, inclusive), and the last record
-        read. Raises `SESSION_NOT_FOUND` for a session that is not visible."""
+        read; `min_stream_seq` is a stream sequence the answer must reach. Raises `SESSION_NOT_FOUND` for a
+        session that is not visible."""
         header = await self.header(session_id)
         if header is None:
             raise SessionNotFound(f"session {session_id} not found")
-        records = await self.reader.records(session_id, up_to_seq=up_to_seq)
+        records = await self.reader.records(session_id, up_to_seq=up_to_seq, min_stream_seq=min_stream_seq)
         events = [e for r in records for e in r.events]
         if up_to_seq is not None:
             del events[up_to_seq + 1 :]
@@ -183,10 +223,7 @@ class SessionLog:
     @translates_unavailable("list sessions")
     async def sessions(self) -> list[SessionInfo]:
         """Every visible session, newest first."""
-        try:
-            keys = await self._kv_sessions.keys()
-        except (NotFoundError, NoKeysError):
-            return []
+        keys = await self._session_ids()
         out: list[SessionInfo] = []
         for key in keys:
             info = await self._session_info(key)
@@ -272,35 +309,48 @@ class SessionLog:
 
         `continue_open_turn` takes over an open turn as it is (the gateway's record mode, whose turns stay open
         between requests: the lease, now ours, says its last holder is gone or let it go)."""
-        lease = await self._acquire(session_id)
-        try:
-            _, session, last = await self.load(session_id)
-            if session.open_turn is not None and not continue_open_turn:
-                raise OpenTurn(
-                    f"session {session_id} has turn {session.open_turn} open; resume it to close the turn first"
-                )
-        except BaseException:
-            await lease.release()
-            raise
-        return SessionWriter(self, session_id, session, last_stream_seq=last.stream_seq if last else 0, lease=lease)
+        return await self._take_over(session_id, resuming=False, continue_open_turn=continue_open_turn)
 
     @translates_unavailable("resume session {session_id}")
     async def resume(self, session_id: str) -> SessionWriter:
         """Load, close a turn a crash left open (SPEC section 7), mark the seed end, durably; refused while a live
         writer holds the session."""
+        return await self._take_over(session_id, resuming=True)
+
+    async def _take_over(self, session_id: str, *, resuming: bool, continue_open_turn: bool = False) -> SessionWriter:
+        """Take the lease, load the log and fence it: an empty record of the new epoch after the last one loaded.
+
+        The fence is what JetStream enforces: a writer of an earlier tenure (paused past its TTL, then woken) names
+        an earlier record as the session's last in its next publish and is refused by the server, whatever it
+        believes about its lease. A record it landed before the fence is in the log this tenure loaded."""
         lease = await self._acquire(session_id)
+        writer: SessionWriter | None = None
         try:
-            _, session, last = await self.load(session_id)
-            writer = SessionWriter(
-                self, session_id, session, last_stream_seq=last.stream_seq if last else 0, lease=lease
-            )
-            for raw in resume_events(session, now_ms=now_ms()):
-                await writer.append(raw)
-            await writer.flush()
+            publisher = RecordPublisher(self, session_id, epoch=lease.epoch)
+            min_stream_seq = 0
+            for _ in range(_FENCE_ATTEMPTS):
+                _, session, last = await self.load(session_id, min_stream_seq=min_stream_seq)
+                if not (resuming or continue_open_turn) and session.open_turn is not None:
+                    raise OpenTurn(
+                        f"session {session_id} has turn {session.open_turn} open; resume it to close the turn first"
+                    )
+                try:
+                    fence = await publisher.fence(len(session), last.stream_seq if last else 0, session.open_turn or 0)
+                except WrongLastRecord as moved:  # the previous holder landed a record after our load
+                    min_stream_seq = moved.last_stream_seq or 0
+                    continue
+                writer = SessionWriter(self, session_id, session, last_stream_seq=fence, lease=lease)
+                if resuming:
+                    for raw in resume_events(session, now_ms=now_ms()):
+                        await writer.append(raw)
+                    await writer.flush()
+                return writer
+            raise Conflict(f"session {session_id}: the log kept changing while taking it over; try again")
         except BaseException:
+            if writer is not None:
+                await writer.abandon()
             await lease.release()
             raise
-        return writer
 
     @translates_unavailable("fork session {source_id} as {new_id}")
     async def fork(self, source_id: str, new_id: str, *, at: int | None = None) -> bytes:
@@ -415,8 +465,9 @@ class SessionLog:
     async def _acquire(self, session_id: str) -> _LeaseKeeper:
         check_session_id(session_id)
         holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        sent = time.monotonic()
         lease = await self.leases.acquire(session_id, holder, self.settings.lease_ttl_s)
-        return _LeaseKeeper(self.leases, lease, self.settings.effective_lease_refresh_s)
+        return _LeaseKeeper(self.leases, lease, self.settings.effective_lease_refresh_s, acquired_at=sent)
 
     # ---------------------------------------------------------------------------------- blobs
 
@@ -446,48 +497,93 @@ class SessionLog:
 
 
 class _LeaseKeeper:
-    """Holds a writer lease: refreshes it in the background and reports when it is lost."""
+    """Holds a writer lease: refreshes it in the background, knows when it may have lapsed, reports its loss.
 
-    def __init__(self, leases: Leases, lease: Lease, interval_s: float) -> None:
+    A refresh that fails for want of an answer is retried at once (with a short backoff), not a refresh interval
+    later: a lease outlives `ttl - interval` seconds without one, and that margin is what covers a leader
+    election. `confirmed_at` is when the last write that landed was sent, so the server's expiry is no earlier
+    than `confirmed_at + ttl`: a lease is *overdue* past that, and the writer confirms it before publishing.
+    """
+
+    def __init__(self, leases: Leases, lease: Lease, interval_s: float, *, acquired_at: float | None = None) -> None:
         self._leases = leases
         self.lease = lease
         self._interval = interval_s
         self._callbacks: list[Any] = []
         self._stopping = False
-        self._task: asyncio.Task[None] | None = asyncio.create_task(self._run(), name=f"lease-{lease.session_id}")
+        self._lock = asyncio.Lock()  # one refresh at a time: the loop's and a writer's `confirm()`
+        self.confirmed_at = time.monotonic() if acquired_at is None else acquired_at  # when the acquire was sent
+        self._task: asyncio.Task[None] | None = asyncio.create_task(self._run(), name=f"lease-{lease.key}")
 
     @property
     def epoch(self) -> int:
         return self.lease.epoch
+
+    @property
+    def overdue(self) -> bool:
+        """Whether the lease may have expired on the server (it was not refreshed within its TTL)."""
+        return time.monotonic() - self.confirmed_at >= self.lease.ttl_s
 
     def on_lost(self, callback: Any) -> None:
         self._callbacks.append(callback)
 
     async def _run(self) -> None:
         # The flag, not only the cancel, ends the loop: a cancel that lands with a refresh reply can be swallowed.
+        delay = 0.0
         while True:
-            await asyncio.sleep(self._interval)
+            await asyncio.sleep(delay or max(0.0, self.confirmed_at + self._interval - time.monotonic()))
             if self._stopping:
                 return
+            try:
+                await self.confirm()
+                delay = 0.0
+            except LeaseLost as err:
+                for callback in self._callbacks:
+                    callback(err.message)
+                return
+            except Exception as err:  # no answer: try again soon; the TTL decides whether it is lost
+                log.warning("lease refresh for %s failed: %s", self.lease.key, err)
+                delay = min(max(0.1, delay * 2), 1.0)
+
+    async def confirm(self) -> None:
+        """Refresh the lease now; `LeaseLost` naming the cause when it expired or was taken over."""
+        async with self._lock:
+            sent = time.monotonic()
+            unrefreshed = sent - self.confirmed_at
             try:
                 self.lease = await self._leases.refresh(self.lease)
             except LeaseLost as err:
                 # A refresh whose ack was lost may still have landed: then the lease is ours at a newer revision.
                 current = await self._still_ours()
-                if current is not None:
-                    self.lease = current
-                    continue
-                for callback in self._callbacks:
-                    callback(err.message)
-                return
-            except Exception as err:  # a transient failure: try again; the TTL decides whether it is lost
-                log.warning("lease refresh for %s failed: %s", self.lease.session_id, err)
+                if current is None:
+                    raise LeaseLost(self._cause(err, unrefreshed)) from None
+                self.lease = current
+            self.confirmed_at = sent
+
+    def _cause(self, err: LeaseLost, unrefreshed: float) -> str:
+        if unrefreshed < self.lease.ttl_s:
+            return err.message
+        return (
+            f"{err.message}: it was not refreshed for {unrefreshed:.1f}s, past its {self.lease.ttl_s:g}s TTL (the "
+            "event loop was blocked, for example by a synchronous call, the process was paused, or the log did "
+            "not answer)"
+        )
+
+    async def lost(self) -> str | None:
+        """Why the lease is no longer this holder's, asking the server; None while it still is (or no answer)."""
+        try:
+            await self.confirm()
+        except LeaseLost as err:
+            return err.message
+        except Exception:
+            return None
+        return None
 
     async def _still_ours(self) -> Lease | None:
         """The lease as it stands now if it is still this holder's tenure (a write whose answer was lost may have
         landed at a newer revision), else None."""
         try:
-            current = await self._leases.current(self.lease.session_id)
+            current = await self._leases.current(self.lease.key)
         except Exception:
             return None
         if current is None or current.holder != self.lease.holder or current.epoch != self.lease.epoch:
@@ -522,6 +618,21 @@ class _PubAck(msgspec.Struct):
 _pub_ack: Final = msgspec.json.Decoder(_PubAck)
 
 
+class WrongLastRecord(Conflict):
+    """A publish expected a record that is no longer the session's last; `last_stream_seq` is the one that is,
+    as the server named it (None when it did not)."""
+
+    def __init__(self, message: str, *, seq: int | None = None, last_stream_seq: int | None = None) -> None:
+        super().__init__(message, seq=seq)
+        self.last_stream_seq = last_stream_seq
+
+
+def _last_sequence_of(description: object) -> int | None:
+    """JetStream's "wrong last sequence: N" names the subject's actual last sequence."""
+    tail = str(description).rsplit(":", 1)[-1].strip()
+    return int(tail) if tail.isdigit() else None
+
+
 class RecordPublisher:
     """Publishes records of one session with optimistic concurrency and safe retries."""
 
@@ -530,6 +641,11 @@ class RecordPublisher:
         self._session_id = session_id
         self._epoch = epoch
         self._subject = in_subject(session_id)
+
+    async def fence(self, first_seq: int, expected_last: int, open_turn: int) -> int:
+        """Publish this tenure's fence, an empty record after `expected_last`; its stream seq. Every publish of an
+        earlier tenure names an earlier record as the session's last, so JetStream refuses it from now on."""
+        return await self.publish([], first_seq, expected_last, open_turn)
 
     async def publish(
         self, events: list[bytes], first_seq: int, expected_last: int, open_turn: int, *, in_doubt: bool = False
@@ -548,9 +664,13 @@ class RecordPublisher:
             expected_last=expected_last,
             open_turn=open_turn,
         )
-        budget = self._log.settings.request_timeout_s
+        settings = self._log.settings
+        # The budget of the whole publish is not one request's timeout: it must outlast a leader election. Each
+        # attempt waits a third of a request timeout, so a publish lost in the election is sent again soon; the
+        # same message id makes every repeat harmless.
+        budget = settings.publish_retry_s
         deadline = time.monotonic() + budget
-        attempt_timeout = max(0.05, budget / 3)
+        attempt_timeout = max(0.05, settings.request_timeout_s / 3)
         timed_out = in_doubt
         delay = 0.02
         while True:
@@ -559,14 +679,19 @@ class RecordPublisher:
                 raise LogUnavailable(
                     f"session {self._session_id}: no acknowledgement for seqs "
                     f"{first_seq}..{first_seq + len(events) - 1} "
-                    f"within {budget}s (the cluster may have lost quorum); nothing after seq {first_seq - 1} is "
-                    "reported written"
+                    f"within {budget:g}s of retrying (the cluster may have lost quorum); nothing after seq "
+                    f"{first_seq - 1} is reported written"
                 )
             try:
                 reply = await self._log.nc.request(
                     self._subject, payload, timeout=min(attempt_timeout, remaining), headers=headers
                 )
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.OutboundBufferLimitError):
+            except (
+                nats.errors.TimeoutError,
+                nats.errors.NoRespondersError,
+                nats.errors.OutboundBufferLimitError,
+                nats.errors.ConnectionReconnectingError,
+            ):
                 timed_out = True
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.5)
@@ -585,22 +710,23 @@ class RecordPublisher:
                     return await self._settle_duplicate(ack.seq, headers, first_seq)
                 return ack.seq
             code = error.get("err_code")
-            if code == ERR_WRONG_LAST_SEQUENCE:
+            if code in JS_WRONG_LAST_SEQUENCE:
                 if timed_out:
                     landed = await self._landed(headers, first_seq)
                     if landed is not None:
                         return landed
-                raise Conflict(
+                raise WrongLastRecord(
                     f"session {self._session_id}: another writer appended first (expected last stream seq "
                     f"{expected_last}: {error.get('description')}); reload and retry",
                     seq=first_seq,
+                    last_stream_seq=_last_sequence_of(error.get("description")),
                 )
-            if code in ERR_STREAM_STORE_FULL:
+            if code in JS_STORE_FULL:
                 raise LogFull(
                     f"stream {self._log.settings.stream} is full and refuses new records ({error.get('description')})",
                     seq=first_seq,
                 )
-            if error.get("code") == 503:
+            if error.get("code") == 503 or code == JS_DUPLICATE_IN_PROCESS:
                 timed_out = True
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.5)
@@ -608,15 +734,21 @@ class RecordPublisher:
             raise LogUnavailable(f"session {self._session_id}: publish refused: {error}", seq=first_seq)
 
     async def _landed(self, headers: dict[str, str], first_seq: int) -> int | None:
-        """After a timeout: the stream seq of our record if an earlier attempt stored it, else None."""
+        """After a timeout: the stream seq of our record if an earlier attempt stored it, else None. The epoch is
+        compared too: every fence has the same (empty) payload."""
         last = await self._log.reader.last_record(self._session_id)
-        if last is not None and last.first_seq == first_seq and last.digest == headers["Sessionlog-Digest"]:
+        if (
+            last is not None
+            and last.first_seq == first_seq
+            and last.epoch == self._epoch
+            and last.digest == headers[H_DIGEST]
+        ):
             return last.stream_seq
         return None
 
     async def _settle_duplicate(self, stream_seq: int, headers: dict[str, str], first_seq: int) -> int:
         raw = await self._log.reader.leader_get(seq=stream_seq)
-        if raw is not None and raw.headers.get("Sessionlog-Digest") == headers["Sessionlog-Digest"]:
+        if raw is not None and raw.headers.get(H_DIGEST) == headers[H_DIGEST]:
             return stream_seq
         raise Conflict(
             f"session {self._session_id}: the stream holds a different record under message id "
@@ -652,7 +784,9 @@ class SessionWriter:
         self._max_bytes = log.max_record_bytes
         self._pending_bytes = 2
         self._draining = False  # a publish loop (`_drain`) is running, in the background task or in a flush
-        self._in_doubt = False  # the last publish attempt was interrupted: it may have landed
+        # The size of a batch whose publish was interrupted (0: none). It may have landed under its message id,
+        # so it is published again exactly as it was sent, before anything queued after it.
+        self._in_doubt = 0
         self._task = asyncio.create_task(self._run(), name=f"sessionlog-writer-{session_id}")
         lease.on_lost(self._lease_lost)
 
@@ -792,7 +926,14 @@ class SessionWriter:
             raise Conflict(f"writer of session {self.session_id} is closed")
 
     def _lease_lost(self, reason: str) -> None:
-        self._fence(Conflict(f"writer of session {self.session_id} lost its lease ({reason}); it is fenced: resume"))
+        self._fence(self._lease_lost_error(reason))
+
+    def _lease_lost_error(self, reason: str, *, seq: int | None = None) -> LeaseLost:
+        return LeaseLost(
+            f"writer of session {self.session_id} lost its lease ({reason}); it writes nothing more and nothing "
+            f"after seq {self._durable - 1} is reported written: open or resume the session again",
+            seq=seq,
+        )
 
     def _fence(self, error: SessionLogError) -> None:
         if self._failed is None:
@@ -823,22 +964,30 @@ class SessionWriter:
                 self._timer.cancel()
                 self._timer = None
             while self._pending and self._failed is None:
-                batch, size = self._take_batch()
+                batch, size = self._take_batch(self._in_doubt)
                 first = self._pending_first
                 try:
+                    if self._lease.overdue:
+                        await self._confirm_lease(first)
                     stream_seq = await self._publisher.publish(
                         batch,
                         first,
                         self._last_stream_seq,
                         self._pending_turns[len(batch) - 1],
-                        in_doubt=self._in_doubt,
+                        in_doubt=self._in_doubt > 0,
                     )
                 except asyncio.CancelledError:
-                    # The record may have landed; whoever publishes next settles that by its digest, and the
-                    # background task carries on with what is queued for the other flushes.
-                    self._in_doubt = True
+                    # The record may have landed; whoever publishes next settles that by its digest (so it must send
+                    # this very batch again), and the background task carries on for the other flushes.
+                    self._in_doubt = len(batch)
                     self._wake.set()
                     raise
+                except WrongLastRecord as err:
+                    # Someone else's record follows ours: a newer tenure's fence or closers when our lease is gone
+                    # (LEASE_LOST), a competing writer when it is still ours (CONFLICT).
+                    reason = await self._lease.lost()
+                    self._fence(err if reason is None else self._lease_lost_error(reason, seq=first))
+                    return
                 except SessionLogError as err:
                     self._fence(err)
                     return
@@ -851,7 +1000,7 @@ class SessionWriter:
                         )
                     )
                     return
-                self._in_doubt = False
+                self._in_doubt = 0
                 del self._pending[: len(batch)]
                 del self._pending_turns[: len(batch)]
                 self._pending_bytes -= size
@@ -862,15 +1011,30 @@ class SessionWriter:
         finally:
             self._draining = False
 
-    def _take_batch(self) -> tuple[list[bytes], int]:
+    def _take_batch(self, exactly: int = 0) -> tuple[list[bytes], int]:
+        """The next record's events: as many queued as the bounds allow, or `exactly` that many (an in-doubt
+        batch, which must be sent again byte for byte)."""
         size = 2
         count = 0
         for raw in self._pending:
-            if count and (size + len(raw) + 1 > self._max_bytes or count >= self._max_events):
+            if exactly and count == exactly:
+                break
+            if not exactly and count and (size + len(raw) + 1 > self._max_bytes or count >= self._max_events):
                 break
             size += len(raw) + 1
             count += 1
         return self._pending[:count], size - 2
+
+    async def _confirm_lease(self, first: int) -> None:
+        """Before publishing on a lease that was not refreshed within its TTL (the loop was blocked, the process
+        paused): refresh it now, so a lapsed lease is `LEASE_LOST` naming why and not a record written without
+        it. A refresh without an answer lets the publish go on: the fence decides then (see `_take_over`)."""
+        try:
+            await self._lease.confirm()
+        except LeaseLost as err:
+            raise self._lease_lost_error(err.message, seq=first) from None
+        except Exception as err:
+            log.warning("lease of %s not confirmed before publishing: %s", self.session_id, err)
 
     def _resolve(self) -> None:
         keep: list[tuple[int, asyncio.Future[int]]] = []
@@ -883,10 +1047,4 @@ class SessionWriter:
         self._waiters = keep
 
 
-def events_of(records: Iterable[Record]) -> list[bytes]:
-    return [e for r in records for e in r.events]
-
-
 __all__ = ["LogFull", "SessionHeader", "SessionInfo", "SessionLog", "SessionWriter"]
-
-_Publisher = RecordPublisher  # the name the first tests used

@@ -3,20 +3,16 @@ that every service of the process reports into."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import socket
 from collections.abc import Callable
 from typing import Any, Final
 
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .errors import SessionLogError
+from .asgi import AsgiServer, serve_asgi
 
 APPLIED: Final = Counter("sessionlog_projection_applied_events_total", "Events applied by a projection", ["projection"])
 QUARANTINED: Final = Counter(
@@ -44,12 +40,6 @@ REQUEST_SECONDS: Final = Histogram(
 HealthCheck = Callable[[], dict[str, Any]]
 
 
-class PortInUse(SessionLogError):
-    """An HTTP port this process was told to serve on is taken."""
-
-    code = "PORT_IN_USE"
-
-
 class HealthServer:
     """Serves the health of every registered component and the process's Prometheus metrics.
 
@@ -60,8 +50,7 @@ class HealthServer:
         self.host = host
         self.port = port
         self._checks: dict[str, HealthCheck] = {}
-        self._server: uvicorn.Server | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._server: AsgiServer | None = None
 
     def register(self, name: str, check: HealthCheck) -> None:
         self._checks[name] = check
@@ -89,29 +78,17 @@ class HealthServer:
         return Starlette(routes=[Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics)])
 
     async def start(self) -> None:
-        # Bind here, so a port in use is one clear error instead of uvicorn's exit.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.host, self.port))
-        except OSError as exc:
-            sock.close()
-            raise PortInUse(
-                f"cannot serve health and metrics on {self.host}:{self.port}: {exc.strerror} "
-                "(set SESSIONLOG_METRICS_PORT to another port, or 0 for none)"
-            ) from None
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="sessionlog-health")
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()
-            await asyncio.sleep(0.01)
+        self._server = await serve_asgi(
+            self.app(),
+            self.host,
+            self.port,
+            name="health and metrics",
+            hint="set SESSIONLOG_METRICS_PORT to another port, or 0 for none",
+            lifespan="off",
+        )
+        self.port = self._server.port
 
     async def stop(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(self._task, 5)
+            await self._server.stop(timeout_s=5)
+            self._server = None

@@ -36,15 +36,25 @@ Decisions (2026-12):
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from sessionlog.errors import LogUnavailable, SessionLogError
+from sessionlog.errors import (
+    JS_STREAM_NAME_IN_USE,
+    JS_STREAM_NOT_FOUND,
+    LogUnavailable,
+    ProvisionFailed,
+    StreamMismatch,
+)
 from sessionlog.settings import Settings
 
 NANOS = 1_000_000_000
@@ -60,24 +70,6 @@ RAW_ALL = "sessionlog.raw.>"
 LEASE_MARKER_TTL_S = 60
 
 # JetStream API error codes this module acts on.
-ERR_STREAM_NOT_FOUND = 10059
-ERR_STREAM_NAME_IN_USE = 10058
-
-
-class StreamMismatch(SessionLogError):
-    """An existing stream or bucket whose configuration differs from what the settings call for."""
-
-    code = "STREAM_MISMATCH"
-
-    def __init__(self, message: str, *, differences: dict[str, list[FieldDifference]]) -> None:
-        super().__init__(message)
-        self.differences = differences
-
-
-class ProvisionFailed(SessionLogError):
-    """JetStream refused to create a stream or bucket (limits, permissions, a bad value)."""
-
-    code = "PROVISION_FAILED"
 
 
 @dataclass(frozen=True)
@@ -421,7 +413,7 @@ async def stream_config(js: JetStreamContext, stream: str, timeout: float = 5.0)
     answer = await _api(js, f"STREAM.INFO.{stream}", None, timeout)
     error = answer.get("error")
     if error:
-        if error.get("err_code") == ERR_STREAM_NOT_FOUND:
+        if error.get("err_code") == JS_STREAM_NOT_FOUND:
             return None
         raise ProvisionFailed(f"stream info of {stream}: {error.get('description')} (err_code {error.get('err_code')})")
     config = answer.get("config")
@@ -462,7 +454,7 @@ async def provision(js: JetStreamContext, settings: Settings, *, create: bool = 
         if not error:
             report.created.append(resource.label)
             continue
-        if error.get("err_code") == ERR_STREAM_NAME_IN_USE:
+        if error.get("err_code") == JS_STREAM_NAME_IN_USE:
             # Another provisioner created it in between, with a different config (an identical one succeeds).
             actual = await stream_config(js, resource.stream, timeout)
             diffs = compare_config(resource, actual or {})
@@ -474,3 +466,26 @@ async def provision(js: JetStreamContext, settings: Settings, *, create: bool = 
             f"creating {resource.label} failed: {error.get('description')} (err_code {error.get('err_code')})"
         )
     return report
+
+
+async def wait_until_served(nc: Client, js: JetStreamContext, settings: Settings, timeout: float = 30.0) -> None:
+    """Until every stream and bucket of the layout has a leader that answers (direct gets too, where allowed).
+
+    On a cluster, provisioning returns when the replicated streams exist, not when each has elected a leader and
+    answers direct gets; a write or read in between fails with no responders. Raises LogUnavailable after
+    `timeout` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    for resource in resources(settings):
+        while True:
+            with contextlib.suppress(Exception):
+                info = await js.stream_info(resource.stream)
+                if info.cluster is None or info.cluster.leader:
+                    if not resource.config.get("allow_direct"):
+                        break
+                    # Any answer (a message or a 404 status) shows a direct get responder; none raises.
+                    await nc.request(f"$JS.API.DIRECT.GET.{resource.stream}", b'{"seq":1}', timeout=1.0)
+                    break
+            if time.monotonic() > deadline:
+                raise LogUnavailable(f"{resource.label} has no leader answering after {timeout}s")
+            await asyncio.sleep(0.05)

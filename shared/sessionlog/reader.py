@@ -16,13 +16,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Final
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
 
-from .availability import translates_unavailable, unavailable_as_typed
+from .audit import RawAssembler, RawExchange
+from .availability import retry_unanswered, translates_unavailable, unavailable_as_typed
 from .errors import CorruptLog, LogUnavailable
-from .record import ALL_EVENTS, Record, decode_record, events_filter, partition_filter
+from .record import ALL_EVENTS, Record, decode_record, events_filter, partition_filter, raw_subject
 
 BATCH: Final = 256
 BATCH_MAX_BYTES: Final = 8 * 1024 * 1024
@@ -54,6 +56,13 @@ class StreamReader:
 
         Returns the messages and the number still pending after them (0 at the end of the stream).
         """
+        return await retry_unanswered(
+            lambda: self._direct_batch(subject_filter, start_seq, batch=batch, max_bytes=max_bytes), self._timeout
+        )
+
+    async def _direct_batch(
+        self, subject_filter: str, start_seq: int, *, batch: int, max_bytes: int
+    ) -> tuple[list[RawMessage], int]:
         inbox = self._nc.new_inbox()
         sub = await self._nc.subscribe(inbox)
         out: list[RawMessage] = []
@@ -71,6 +80,8 @@ class StreamReader:
                         break
                     if status == "404":  # nothing (more) matches
                         break
+                    if status == "503" and not out:  # no responders: nobody serves direct gets right now
+                        raise nats.errors.NoRespondersError
                     raise LogUnavailable(f"direct get on {self._stream} answered {status}: {headers}")
                 out.append(_raw_of(msg))
         finally:
@@ -85,9 +96,8 @@ class StreamReader:
             request["seq"] = seq
         if next_by_subj is not None:
             request["next_by_subj"] = next_by_subj
-        reply = await self._nc.request(
-            f"$JS.API.STREAM.MSG.GET.{self._stream}", json.dumps(request).encode(), timeout=self._timeout
-        )
+        subject, payload = f"$JS.API.STREAM.MSG.GET.{self._stream}", json.dumps(request).encode()
+        reply = await retry_unanswered(lambda: self._nc.request(subject, payload, timeout=self._timeout), self._timeout)
         body = json.loads(reply.data)
         if "error" in body:
             if body["error"].get("code") == 404:
@@ -101,8 +111,8 @@ class StreamReader:
     @translates_unavailable("direct get of the last {subject_filter} on stream {self._stream}")
     async def last_of(self, subject_filter: str) -> RawMessage | None:
         """The newest message matching the filter (direct get `last_by_subj`)."""
-        request = json.dumps({"last_by_subj": subject_filter}).encode()
-        reply = await self._nc.request(f"$JS.API.DIRECT.GET.{self._stream}", request, timeout=self._timeout)
+        subject, request = f"$JS.API.DIRECT.GET.{self._stream}", json.dumps({"last_by_subj": subject_filter}).encode()
+        reply = await retry_unanswered(lambda: self._nc.request(subject, request, timeout=self._timeout), self._timeout)
         headers = reply.headers or {}
         if headers.get("Status") == "404":
             return None
@@ -262,3 +272,24 @@ def _check_contiguous(session_id: str, records: list[Record], *, from_start: boo
                 seq=expected,
             )
         expected = record.next_seq
+
+
+async def read_raw_exchanges(
+    nc: Client, raw_stream: str, session_id: str, *, timeout: float = 5.0
+) -> list[RawExchange]:
+    """Every complete exchange the gateway tee recorded for one session, read from the raw stream (direct gets)."""
+    reader = StreamReader(nc, raw_stream, timeout=timeout)
+    assembler = RawAssembler()
+    out: list[RawExchange] = []
+    start = 1
+    subject = raw_subject(session_id)
+    while True:
+        batch, pending = await reader.direct_batch(subject, start)
+        for message in batch:
+            exchange = assembler.add(message.headers, message.data)
+            if exchange is not None:
+                out.append(exchange)
+        if not batch or pending == 0:
+            break
+        start = batch[-1].stream_seq + 1
+    return out

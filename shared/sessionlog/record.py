@@ -2,7 +2,8 @@
 
 The payload is a JSON array of the events' original bytes, so a record is atomic by construction: a batch
 lands whole or not at all. Headers say what the payload holds; `Sessionlog-Digest` (SHA-256 of the payload)
-lets a writer tell, after a timeout, whether a stored record is its own.
+lets a writer tell, after a timeout, whether a stored record is its own. A record may carry no events: a new
+tenure's fence (log.py), which readers pass over like any record.
 """
 
 from __future__ import annotations
@@ -70,10 +71,6 @@ def session_of_subject(subject: str) -> str:
     return subject.rsplit(".", 1)[-1]
 
 
-def partition_of_subject(subject: str) -> int:
-    return int(subject.split(".")[2])
-
-
 def digest(payload: bytes) -> str:
     return hashlib.sha256(payload).hexdigest()
 
@@ -82,10 +79,11 @@ def encode_payload(events: Sequence[bytes]) -> bytes:
     return b"[" + b",".join(events) + b"]"
 
 
-def msg_id(session_id: str, first_seq: int, epoch: int) -> str:
-    """Epoch-qualified so a fenced writer reusing `<session>:<seq>` is never told `duplicate` for a record it
-    never wrote (a cluster runs the duplicate check before the sequence check)."""
-    return f"{session_id}:{first_seq}:{epoch}"
+def msg_id(session_id: str, first_seq: int, count: int, epoch: int) -> str:
+    """Names exactly one record: epoch-qualified so a fenced writer reusing `<session>:<seq>` is never told
+    `duplicate` for a record it never wrote (a cluster runs the duplicate check before the sequence check), and
+    count-qualified so a tenure's fence (an empty record, see log.py) and its first record differ."""
+    return f"{session_id}:{first_seq}+{count}:{epoch}"
 
 
 def record_headers(
@@ -98,7 +96,7 @@ def record_headers(
         H_WRITER: str(epoch),
         H_DIGEST: digest(payload),
         H_OPEN_TURN: str(open_turn),
-        H_MSG_ID: msg_id(session_id, first_seq, epoch),
+        H_MSG_ID: msg_id(session_id, first_seq, count, epoch),
         H_EXPECTED_LAST_SUBJECT_SEQ: str(expected_last),
     }
 

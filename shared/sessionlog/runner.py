@@ -52,9 +52,9 @@ import nats.errors
 from nats.js import api
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from .errors import CorruptLog, InvalidSessionId, LogUnavailable, SessionLogError
+from .errors import CorruptLog, InvalidSessionId, LeaseHeld, LeaseLost, LogUnavailable, SessionLogError
 from .ids import check_session_id
-from .leases import Lease, LeaseHeld, LeaseLost, Leases
+from .leases import Lease, Leases
 from .log import PURGED_PREFIX, SessionLog
 from .metrics import APPLIED, CONSUMER_RESTARTS, LAG_EVENTS, LAG_SECONDS, QUARANTINED
 from .provision import partition_of
@@ -577,7 +577,7 @@ class ProjectionRunner(Generic[S]):
             return True
         held = part.lease
         try:  # a read: refreshing is the claim loop's, and two refreshes would fence each other
-            now = await self._leases.current(held.session_id)
+            now = await self._leases.current(held.key)
         except Exception as lease_err:
             log.debug("%s: partition %d: lease read failed: %s", self.name, part.number, lease_err)
             return True

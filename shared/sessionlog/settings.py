@@ -91,6 +91,13 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(
         default=5.0, gt=0, description="Timeout in seconds of one NATS request or JetStream publish acknowledgement."
     )
+    publish_retry_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How long a writer keeps retrying one record (same message id, so never doubled) before it "
+        "reports `LOG_UNAVAILABLE`: it must outlast a stream leader election (4.3-7.4 s measured on a 3-node "
+        "cluster). Below `duplicate_window_s`.",
+    )
 
     # --- embedded server -------------------------------------------------------------------------------------
     embedded_port: int = Field(
@@ -165,16 +172,18 @@ class Settings(BaseSettings):
         description="Most payload bytes one record carries; the writer also caps this at the server's max_payload.",
     )
     lease_ttl_s: float = Field(
-        default=10.0,
+        default=20.0,
         ge=1.0,
-        description="Writer lease lifetime in seconds. JetStream's per-message TTL counts whole seconds, at "
-        "least 1; a fraction is rounded up.",
+        description="Writer lease lifetime in seconds: a lease outlives `lease_ttl_s` - `lease_refresh_s` without "
+        "a refresh (15 s by default, twice a measured leader election). JetStream's per-message TTL counts whole "
+        "seconds, at least 1; a fraction is rounded up.",
     )
     lease_refresh_s: float | None = Field(
         default=None,
         gt=0,
-        description="How often a writer refreshes its lease, in seconds. Unset: a third of `lease_ttl_s`.",
-        json_schema_extra={"doc_default": "unset: `lease_ttl_s` / 3"},
+        description="How often a writer refreshes its lease, in seconds (a failed refresh is retried at once). "
+        "Unset: a quarter of `lease_ttl_s`.",
+        json_schema_extra={"doc_default": "unset: `lease_ttl_s` / 4"},
     )
     repair_grace_s: float = Field(
         default=2.0, ge=0, description="Seconds the repairer waits after a lease expires before closing turns."
@@ -290,6 +299,11 @@ class Settings(BaseSettings):
                 f"lease_refresh_s ({self.lease_refresh_s}) must be below lease_ttl_s ({self.lease_ttl_s}), "
                 "or a lease expires before it is refreshed"
             )
+        if self.publish_retry_s >= self.duplicate_window_s:
+            raise ValueError(
+                f"publish_retry_s ({self.publish_retry_s}) must be below duplicate_window_s "
+                f"({self.duplicate_window_s}): a retried record is recognised by its message id only within the window"
+            )
         if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
             raise ValueError("nats_tls_cert and nats_tls_key go together: set both or neither")
         if self.nats_password is not None and self.nats_user is None:
@@ -309,8 +323,8 @@ class Settings(BaseSettings):
 
     @property
     def effective_lease_refresh_s(self) -> float:
-        """`lease_refresh_s`, or a third of the lease TTL when it is unset."""
-        return self.lease_refresh_s if self.lease_refresh_s is not None else self.lease_ttl_s / 3
+        """`lease_refresh_s`, or a quarter of the lease TTL when it is unset."""
+        return self.lease_refresh_s if self.lease_refresh_s is not None else self.lease_ttl_s / 4
 
 
 def _doc_default(name: str) -> str:

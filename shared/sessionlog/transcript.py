@@ -594,7 +594,11 @@ class TranscriptBuilder:
             status = f" (HTTP {reason.error.status})" if reason.error.status is not UNSET else ""
             detail = f"{reason.error.message}{code}{status}"
         elif outcome == "interrupted":
-            detail = "its writer crashed; the turn was closed from the log and its missing tool results are synthetic"
+            # All the log can tell is that the writer's lease lapsed, so the text claims no more (2026-12-03).
+            detail = (
+                "its writer's lease was lost (the writer died, stalled past its lease, or was cut off from the "
+                "log); the turn was closed from the log and its missing tool results are synthetic"
+            )
         elif outcome == "max-tokens":
             detail = "the response reached the token limit"
         elif outcome == "blocked":

@@ -1,30 +1,40 @@
-"""The `sessionlog` command line. Every refusal prints one line, `error CODE at seq N: message`, never a
-traceback; bad arguments print one `error: ...` line and exit 2."""
+"""The `sessionlog` command line's library commands and its runner. Every refusal prints one line,
+`error CODE at seq N: message`, never a traceback; bad arguments print one `error: ...` line and exit 2.
+
+The commands that start services (`serve`, `up`, `demo`, `repair-session`) are added above the library, by
+`services.cli`, which is what the `sessionlog` console script and `python -m sessionlog` run.
+"""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 
 import typer
 from typer.exceptions import TyperException
 
 from ..errors import SessionLogError
-from . import auditcmds, files, logcmds, quarantinecmds, servecmds, upcmds
+from . import auditcmds, files, logcmds, quarantinecmds
 
-app = typer.Typer(
-    name="sessionlog",
-    help="An event-sourced session log for fleets of LLM agents, on NATS JetStream.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
-files.register(app)
-logcmds.register(app)
-servecmds.register(app)
-upcmds.register(app)
-auditcmds.register(app)
-quarantinecmds.register(app)
+Register = Callable[[typer.Typer], None]
+
+
+def new_app(more: Sequence[Register] = ()) -> typer.Typer:
+    """The command line: the library's commands, with `more` (a layer above adds its own) listed after the log's."""
+    app = typer.Typer(
+        name="sessionlog",
+        help="An event-sourced session log for fleets of LLM agents, on NATS JetStream.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+    )
+    for register in (files.register, logcmds.register, *more, auditcmds.register, quarantinecmds.register):
+        register(app)
+    return app
+
+
+app = new_app()
 
 
 def error_line(err: SessionLogError) -> str:
@@ -32,10 +42,11 @@ def error_line(err: SessionLogError) -> str:
     return f"error {err.code}{where}: {err.message}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Console entry point; returns the exit code (0 ok, 1 refused, 2 bad arguments)."""
+def main(argv: list[str] | None = None, command_line: typer.Typer | None = None) -> int:
+    """Run `command_line` (the library's commands unless given); returns the exit code (0 ok, 1 refused, 2 bad
+    arguments)."""
     try:
-        result = app(args=argv, standalone_mode=False)
+        result = (command_line or app)(args=argv, standalone_mode=False)
     except SessionLogError as err:
         print(error_line(err), file=sys.stderr)
         return 1
@@ -56,7 +67,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err.strerror or err}{where}", file=sys.stderr)
         return 2
     return result if isinstance(result, int) else 0
-
-
-def run() -> None:
-    sys.exit(main())

@@ -16,6 +16,7 @@ from ..errors import LogUnavailable
 from ..events import BlockEndChunk, ReasoningDeltaChunk, TextDeltaChunk, ToolCallDeltaChunk
 from ..log import SessionLog
 from ..micro import call
+from ..reader import read_raw_exchanges
 from .logcmds import run_with_log
 
 REPORT_SUBJECT = "sessionlog.audit.report"
@@ -76,8 +77,6 @@ def _chunk_text(chunk: Any) -> str:
 
 async def _local_report(log: SessionLog, session_id: str) -> dict[str, Any]:
     """The same report the service gives, computed here from the log and the raw stream."""
-    from services.token_auditor.service import read_raw_exchanges  # the auditor's own reader of the raw tee
-
     _, session, _ = await log.load(session_id)
     raw = await read_raw_exchanges(log.nc, log.settings.raw_stream, session_id, timeout=log.settings.request_timeout_s)
     auditor = audit_session(session, raw, session_id=session_id, model_aliases=dict(log.settings.provider_model_map))

@@ -11,9 +11,11 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from ..connection import stop_embedded
-from ..services import RunOptions, Stack, available, run_until_signalled
-from ..settings import Settings
+from sessionlog.connection import stop_embedded
+from sessionlog.services import RunOptions
+from sessionlog.settings import Settings
+
+from ..stack import Stack, available, run_until_signalled
 
 
 def urls(settings: Settings, stack: Stack | None = None) -> dict[str, str]:

@@ -10,10 +10,12 @@ from typing import Annotated
 import msgspec
 import typer
 
-from ..micro import call
-from ..services import SERVICES, RunOptions, available, run_until_signalled
-from ..settings import Settings
-from .logcmds import run_with_log
+from sessionlog.cli.logcmds import run_with_log
+from sessionlog.micro import call
+from sessionlog.services import RunOptions
+from sessionlog.settings import Settings
+
+from ..stack import SERVICES, available, run_until_signalled
 
 
 def serve(
@@ -43,7 +45,7 @@ def repair_session(
     """Ask the repairer to close a session's open turn now (refused while a live writer holds it)."""
 
     async def work(log: object) -> object:
-        from ..log import SessionLog
+        from sessionlog.log import SessionLog
 
         assert isinstance(log, SessionLog)
         return await call(

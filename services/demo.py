@@ -33,14 +33,16 @@ from rich.panel import Panel
 from rich.progress import Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
-from .agent import Agent
-from .errors import OpenTurn, SessionLogError
-from .log import SessionLog
-from .micro import call
-from .repair import interrupted_turn_closers
-from .services import RunOptions, Stack
-from .session import Session
-from .settings import Settings
+from sessionlog.agent import Agent
+from sessionlog.errors import OpenTurn, SessionLogError
+from sessionlog.log import SessionLog
+from sessionlog.micro import call
+from sessionlog.repair import interrupted_turn_closers
+from sessionlog.services import RunOptions
+from sessionlog.session import Session
+from sessionlog.settings import Settings
+
+from .stack import Stack
 
 FILES: Final = {
     "notes.txt": "Buy milk. Call Ada about the gateway benchmark.",
@@ -307,7 +309,7 @@ class Demo:
         env = {**os.environ, "SESSIONLOG_NATS_URL": self.log_url, "SESSIONLOG_LEASE_TTL_S": "1"}
         env["SESSIONLOG_LEASE_REFRESH_S"] = "0.3"
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "sessionlog.demo", "--crash-writer", self.session_id, gateway_url,
+            sys.executable, "-m", "services.demo", "--crash-writer", self.session_id, gateway_url,
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip
         assert proc.stdout is not None

@@ -1,0 +1,5 @@
+"""`python -m services.cli` runs the command line."""
+
+from . import run
+
+run()

@@ -32,6 +32,7 @@ SHOWN = {
     "tests/node/record_chat.mjs",
     "examples/record_agents.py",
     "examples/check_mode.py",
+    "examples/check_mode_sync.py",
     "examples/record_script.json",
 }
 COMMAND_S = 120.0  # the bound of one walkthrough command

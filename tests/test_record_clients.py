@@ -426,6 +426,20 @@ async def test_an_agent_that_writes_its_own_log_in_check_mode(
     assert rec.audit["ledger"]["total"]["requests"] == 1
 
 
+async def test_an_agent_that_is_not_async_writes_its_own_log_with_the_sync_writer(
+    provider: Provider, gateway: Gateway, log: SessionLog, nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    session_id = new_session_id("check-sync")
+    await provider.load(CHECK_MODE_SCRIPT)
+    before = len(await provider.received())
+    env = {**client_env(gateway), "SESSIONLOG_NATS_URL": nats_server.url}
+    out = succeeded(await run([sys.executable, "examples/check_mode_sync.py", session_id], env=env))
+    assert "answer: 2 + 3 = 5." in out
+    received = (await provider.received())[before:]
+    rec = await recorded(log, nats_server.url, session_id, tmp_path, requests=1, provider_bodies=received)
+    assert [e.type for e in rec.session][-3:] == ["assistant/message", "step/end", "turn/end"]
+
+
 async def test_models_are_listed_under_the_record_base_url(gateway: Gateway) -> None:
     async with openai.AsyncOpenAI(base_url=gateway.base_url(new_session_id("rec-models")), api_key="-") as client:
         models = [m.id async for m in await client.models.list()]

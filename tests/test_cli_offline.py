@@ -13,6 +13,7 @@ import openai
 import pytest
 from conftest import FIXTURES_DIR, dsh_header_problem, normalize_fixture
 
+from services.cli import main as installed_main
 from sessionlog.cli import main
 from sessionlog.embedded import free_port
 from sessionlog.jsonl import read_jsonl
@@ -230,7 +231,8 @@ def test_the_scripted_provider_command_refuses_a_bad_script_in_one_line(
     script = tmp_path / "replies.json"
     if content is not None:
         script.write_text(content)
-    code, _, err = run(capsys, "scripted-provider", "--script", str(script), "--port", str(free_port()))
+    code = installed_main(["scripted-provider", "--script", str(script), "--port", str(free_port())])
+    err = capsys.readouterr().err
     assert code == 2
     assert expected in err and err.count("\n") == 1, err
 

@@ -1,4 +1,5 @@
-"""`sessionlog serve NAME|all` and the commands that call services: `repair-session`."""
+"""`sessionlog serve NAME|all`, the commands that call services (`repair-session`), and `scripted-provider`, the
+offline provider that a gateway can forward to."""
 
 from __future__ import annotations
 

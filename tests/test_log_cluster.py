@@ -23,16 +23,19 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from natsfixtures import new_session_id, start_cluster
-from scaffold import Opened, assert_contiguous, freeze, raws
+from scaffold import Opened, assert_contiguous, eventually, freeze, raws
 from sessiongen import user_message_data
 
+from services.context_deriver.service import ContextDeriverService, canonical_messages
 from sessionlog.embedded import Cluster
 from sessionlog.errors import LogUnavailable, SessionLogError
 from sessionlog.events import Event
 from sessionlog.jsonl import decode_header
 from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.micro import call
 from sessionlog.provision import resources, wait_until_served
 from sessionlog.record import Record
+from sessionlog.session import Session
 from sessionlog.settings import Settings
 
 pytest_plugins = ["natsfixtures"]
@@ -318,6 +321,49 @@ async def test_without_quorum_a_new_process_connects_and_reads_from_a_surviving_
         timeout=60,
     )
     assert listed.returncode == 0 and sid in listed.stdout.decode(), listed.stderr.decode()
+
+
+async def test_without_quorum_a_projection_service_starts_answers_from_the_survivor_and_claims_once_it_returns(
+    cluster: Cluster, logs: Logs
+) -> None:
+    # No leader anywhere: no durable consumer can be made and no partition lease taken. The service still starts,
+    # answers from the surviving replica (direct gets), says it is not ready, and takes its partitions when the
+    # other nodes come back, without a restart.
+    log = await logs.connect()
+    sid = new_session_id()
+    writer = await log.create(sid)
+    written = await turn(writer, "Written while the cluster was whole.")
+    await writer.close()
+    await replicas_current(log)
+    survivor = connected_node(cluster, log)
+    doomed = [i for i in range(len(cluster)) if i != survivor]
+    lose_quorum(cluster, log)
+
+    timeout = 3.0
+    served = await Opened.connect(logs, cluster[survivor].url, request_timeout_s=timeout, lease_ttl_s=1.0)
+    service = logs.keep_service(ContextDeriverService(served))  # claims its partitions (no fixed set)
+    await asyncio.wait_for(service.start(), timeout * 4 + HANG_S)  # the bound only proves no hang
+    await served.nc.flush()
+    expected = Session()
+    for raw in written:
+        expected.append(raw)
+    reply = await call(served.nc, "sessionlog.context.derive", {"session": sid}, timeout=timeout * 2 + HANG_S)
+    assert reply["messages"] == json.loads(canonical_messages(expected)[0]), "answered from the surviving replica"
+    assert reply["seq"] == len(written) - 1
+    health = service.health()
+    assert not health["ready"], health
+    assert health["partitions"] == [] or health["stalled"], health
+
+    for i in doomed:
+        await asyncio.to_thread(cluster.restart, i)
+
+    async def claimed_and_ready() -> bool:
+        now = service.health()
+        return bool(now["ready"]) and now["partitions"] == list(range(served.settings.partition_count))
+
+    await eventually(claimed_and_ready, "every partition claimed and the service ready", RECOVERY_S)
+    reply = await call(served.nc, "sessionlog.context.derive", {"session": sid}, timeout=timeout * 2 + HANG_S)
+    assert reply["messages"] == json.loads(canonical_messages(expected)[0])
 
 
 async def test_without_quorum_creating_is_log_unavailable_and_listing_answers_from_the_surviving_replica(

@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The Node clients the tests drive (the official `openai` package from npm), installed from the lock file.
+NODE_STAMP := tests/node/node_modules/.installed
 
 .PHONY: setup test lint demo bench clean
 
@@ -13,14 +15,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
+	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
+	touch $(NODE_STAMP)
+
+setup: $(STAMP) $(NODE_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check shared services tests bench examples
 	$(BIN)/ruff format --check shared services tests bench examples
 	$(BIN)/mypy
 
-test: lint
+test: lint $(NODE_STAMP)
 	$(BIN)/pytest -q
 
 demo: $(STAMP)
@@ -32,4 +38,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) tests/node/node_modules .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -44,8 +44,10 @@ def main(argv: list[str]) -> int:
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
-    out = args.out or HERE / ("results-quick.json" if args.quick else "results.json")
-    plots = None if args.no_plots else (args.plots or HERE / ("plots-quick" if args.quick else "plots"))
+    # Only a whole run replaces the committed results: a quick or partial one writes beside them (git-ignored).
+    kind = "quick" if args.quick else "partial" if args.names else ""
+    out = args.out or HERE / (f"results-{kind}.json" if kind else "results.json")
+    plots = None if args.no_plots else (args.plots or HERE / (f"plots-{kind}" if kind else "plots"))
 
     from .common import machine
     from .report import goals, markdown, plot, print_summary

@@ -30,6 +30,7 @@ import asyncio
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,13 +50,18 @@ from sessionlog.session import Session
 from sessionlog.settings import Settings
 from sessionlog.wire import WireCache, compare_request, parse_request, to_wire
 
+from .common import QUICK, scale
 from .synth import LogBuilder
 
 SIZES = tuple(int(s) for s in os.environ.get("BENCH_GATEWAY_SIZES", "100,1000,10000").split(","))
 # "stream": the gateway reads the log's tail itself; "auto" (the gateway's default): it asks a context-deriver
 # process (which the benchmark starts) and reads the stream only when the deriver does not answer.
 DERIVATION = os.environ.get("BENCH_GATEWAY_DERIVATION", "stream")
-ROUNDS = {100: 400, 1_000: 200, 10_000: 40}
+ROUNDS = {100: scale(400, 40), 1_000: scale(200, 20), 10_000: scale(40, 6)}
+if QUICK:
+    SIZES = tuple(size for size in SIZES if size <= 1_000)
+# LiteLLM's proxy, compared when a `litellm` command is found (BENCH_LITELLM names it; it is not a dependency)
+LITELLM = os.environ.get("BENCH_LITELLM") or shutil.which("litellm")
 
 
 def session_events(messages: int) -> list[bytes]:
@@ -154,7 +160,9 @@ def mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> flo
     return round((after[f"{name}_sum"] - before[f"{name}_sum"]) / count * 1000, 4) if count else 0.0
 
 
-async def measure(log: SessionLog, provider_url: str, gateway_url: str, size: int) -> dict[str, Any]:
+async def measure(
+    log: SessionLog, provider_url: str, gateway_url: str, size: int, proxies: dict[str, tuple[str, dict[str, str]]]
+) -> dict[str, Any]:
     events = session_events(size)
     session_id = f"bench-{size}-{time.time_ns() % 10**9}"
     writer = await log.create(session_id)
@@ -169,17 +177,22 @@ async def measure(log: SessionLog, provider_url: str, gateway_url: str, size: in
     body = msgspec.json.encode(request)
     headers = {"X-Session-Id": session_id, "X-Session-Seq": str(seq), "content-type": "application/json"}
     direct, gateway = [], []
+    hops: dict[str, list[float]] = {name: [] for name in proxies}
     async with httpx.AsyncClient(timeout=60) as client:
         cold = await ttfb(client, gateway_url, body, headers)
-        for _ in range(5):  # warm both paths
+        for _ in range(5):  # warm every path
             await ttfb(client, provider_url, body, headers)
             await ttfb(client, gateway_url, body, headers)
+            for url, extra in proxies.values():
+                await ttfb(client, url, body, {**headers, **extra})
         gc.collect()
         metrics_url = gateway_url.replace("/v1/chat/completions", "/metrics")
         before = await gateway_sums(client, metrics_url)
-        for _ in range(ROUNDS[size]):
+        for _ in range(ROUNDS[size]):  # interleaved: every path sees the same machine state
             direct.append(await ttfb(client, provider_url, body, headers))
             gateway.append(await ttfb(client, gateway_url, body, headers))
+            for name, (url, extra) in proxies.items():
+                hops[name].append(await ttfb(client, url, body, {**headers, **extra}))
         after = await gateway_sums(client, metrics_url)
     # The gateway's own work before forwarding, with its code, in this process: tail read + parse + check.
     source = StreamSource(log)
@@ -208,6 +221,14 @@ async def measure(log: SessionLog, provider_url: str, gateway_url: str, size: in
     decode = decode_ms(body)
     d, g = summary(direct), summary(gateway)
     overhead = {"p50": round(g["p50"] - d["p50"], 4), "p99": round(g["p99"] - d["p99"], 4)}
+    others: dict[str, Any] = {}
+    for name, samples in hops.items():
+        h = summary(samples)
+        others[name] = {
+            "ttfb_ms": h,
+            "overhead_ms": {"p50": round(h["p50"] - d["p50"], 4), "p99": round(h["p99"] - d["p99"], 4)},
+            "gateway_minus_this_ms": {"p50": round(g["p50"] - h["p50"], 4), "p99": round(g["p99"] - h["p99"], 4)},
+        }
     inv, chk, nxt, cold_chk = summary(invariant), summary(check_only), summary(check_next), summary(check_cold)
     return {
         "messages": len(messages),
@@ -217,6 +238,7 @@ async def measure(log: SessionLog, provider_url: str, gateway_url: str, size: in
         "direct_ttfb_ms": d,
         "gateway_ttfb_ms": g,
         "overhead_ms": overhead,
+        "proxies": others,
         "cold_first_request_ttfb_ms": round(cold, 3),
         "gateway_side_mean_ms": {
             "invariant": mean_ms(before, after, "invariant_seconds"),
@@ -234,18 +256,22 @@ async def measure(log: SessionLog, provider_url: str, gateway_url: str, size: in
     }
 
 
-async def run_all(settings: Settings, provider_url: str, gateway_url: str) -> dict[str, Any]:
+async def run_all(
+    settings: Settings, provider_url: str, gateway_url: str, proxies: dict[str, tuple[str, dict[str, str]]]
+) -> dict[str, Any]:
     log = await SessionLog.connect(settings)
     try:
-        return {str(size): await measure(log, provider_url, gateway_url, size) for size in SIZES}
+        return {str(size): await measure(log, provider_url, gateway_url, size, proxies) for size in SIZES}
     finally:
         await log.close()
 
 
-def _spawn(args: list[str], env: dict[str, str], health: str) -> subprocess.Popen[bytes]:
+def _spawn(
+    args: list[str], env: dict[str, str], health: str, *, program: str = sys.executable, wait_s: float = 20
+) -> subprocess.Popen[bytes]:
     """Start a server process and wait until its health endpoint answers."""
-    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 20
+    proc = subprocess.Popen([program, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{args} exited: {proc.stderr.read().decode() if proc.stderr else ''}")
@@ -268,8 +294,43 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(5)
 
 
+def start_litellm(
+    folder: Path,
+    provider_url: str,
+    env: dict[str, str],
+    procs: list[subprocess.Popen[bytes]],
+    proxies: dict[str, tuple[str, dict[str, str]]],
+) -> str:
+    """LiteLLM's proxy in front of the same provider, when its command is here; a note saying what happened."""
+    if not LITELLM:
+        return "skipped: no litellm command (pip install 'litellm[proxy]' into any venv and set BENCH_LITELLM)"
+    port = free_port()
+    config = folder / "litellm.yaml"
+    config.write_text(
+        "model_list:\n  - model_name: m\n    litellm_params:\n      model: openai/m\n"
+        f"      api_base: {provider_url}/v1\n      api_key: unused\n"
+    )
+    key = "sk-bench-" + os.urandom(8).hex()
+    # no telemetry, and the bundled model cost map rather than a fetch from the internet at start
+    litellm_env = {
+        **env,
+        "LITELLM_MASTER_KEY": key,
+        "LITELLM_TELEMETRY": "False",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    }
+    args = ["--config", str(config), "--port", str(port), "--host", "127.0.0.1"]
+    try:
+        procs.append(
+            _spawn(args, litellm_env, f"http://127.0.0.1:{port}/health/liveliness", program=LITELLM, wait_s=180)
+        )
+    except RuntimeError as err:
+        return f"skipped: litellm did not start ({str(err)[-300:]})"
+    proxies["litellm"] = (f"http://127.0.0.1:{port}/v1/chat/completions", {"Authorization": f"Bearer {key}"})
+    return f"measured: {LITELLM}"
+
+
 RECORD = os.environ.get("BENCH_GATEWAY_RECORD", "1") != "0"
-RECORD_ROUNDS = {100: 300, 1_000: 150, 10_000: 30}
+RECORD_ROUNDS = {100: scale(300, 30), 1_000: scale(150, 15), 10_000: scale(30, 5)}
 
 
 def record_history(size: int) -> list[dict[str, Any]]:
@@ -307,14 +368,16 @@ async def line_times(client: httpx.AsyncClient, url: str, body: bytes) -> list[f
     return times
 
 
-async def measure_record(provider_url: str, gateway_base: str, size: int) -> dict[str, Any]:
+async def measure_record(
+    provider_url: str, gateway_base: str, size: int, passthrough_url: str | None = None
+) -> dict[str, Any]:
     session_id = f"bench-record-{size}-{time.time_ns() % 10**9}"
     url = f"{gateway_base}/record/{session_id}/v1/chat/completions"
     metrics_url = f"{gateway_base}/metrics"
     messages = record_history(size)
     reply = {"role": "assistant", "content": "ok"}  # what the scripted provider answers, as the client holds it
     headers = {"content-type": "application/json"}
-    direct, record = [], []
+    direct, record, hop = [], [], []
     start_size = len(messages)
     async with httpx.AsyncClient(timeout=60) as client:
         cold = await ttfb(client, url, record_body(messages), headers)  # the session's first request logs it all
@@ -331,12 +394,21 @@ async def measure_record(provider_url: str, gateway_base: str, size: int) -> dic
             body = record_body(messages)
             direct.append(await ttfb(client, provider_url, body, headers))
             record.append(await ttfb(client, url, body, headers))
+            if passthrough_url is not None:  # the same body through the plain proxy: the floor of a hop
+                hop.append(await ttfb(client, passthrough_url, body, headers))
             messages.append(reply)
         after = await gateway_sums(client, metrics_url)
         decode.append(decode_ms(record_body(messages)))
     d, r = summary(direct), summary(record)
     work = mean_ms(before, after, "invariant_seconds")
+    versus: dict[str, Any] = {}
+    if hop:
+        h = summary(hop)
+        versus = {"passthrough_ttfb_ms": h,
+                  "record_minus_passthrough_ms": {"p50": round(r["p50"] - h["p50"], 4),
+                                                  "p99": round(r["p99"] - h["p99"], 4)}}  # fmt: skip
     return {
+        **versus,
         "messages_at_start": start_size,
         "messages_at_end": len(messages),
         "cold_first_request_ttfb_ms": round(cold, 3),
@@ -406,16 +478,25 @@ def main() -> dict[str, object]:
                 procs.append(_spawn(deriver, deriver_env, f"http://127.0.0.1:{deriver_port}/readyz"))
             gateway = ["-m", "services.gateway", "--derivation", DERIVATION]
             procs.append(_spawn(gateway, env, gateway_url + "/healthz"))
+            passthrough_port = free_port()
+            passthrough = ["-m", "bench.passthrough", "--port", str(passthrough_port),
+                           "--upstream", provider_url + "/v1/chat/completions"]  # fmt: skip
+            procs.append(_spawn(passthrough, env, f"http://127.0.0.1:{passthrough_port}/healthz"))
+            proxies = {"passthrough": (f"http://127.0.0.1:{passthrough_port}/v1/chat/completions", {})}
+            litellm_note = start_litellm(Path(tmp), provider_url, env, procs, proxies)
             settings = Settings(_env_file=None, nats_url=server.url, metrics_port=0)
             sizes = asyncio.run(
-                run_all(settings, provider_url + "/v1/chat/completions", gateway_url + "/v1/chat/completions")
+                run_all(settings, provider_url + "/v1/chat/completions", gateway_url + "/v1/chat/completions", proxies)
             )
             record: dict[str, Any] = {}
             if RECORD:
                 direct_url = provider_url + "/v1/chat/completions"
 
                 async def record_run() -> dict[str, Any]:
-                    out: dict[str, Any] = {str(s): await measure_record(direct_url, gateway_url, s) for s in SIZES}
+                    hop_url = proxies["passthrough"][0]
+                    out: dict[str, Any] = {
+                        str(s): await measure_record(direct_url, gateway_url, s, hop_url) for s in SIZES
+                    }
                     log = await SessionLog.connect(settings)
                     try:
                         out["chunk_lag"] = await measure_chunk_lag(log, direct_url, gateway_url)
@@ -437,11 +518,16 @@ def main() -> dict[str, object]:
     return {
         "benchmark": "gateway",
         "derivation": DERIVATION,
+        "modes": ["check", "record"] if record else ["check"],
+        "litellm": litellm_note,
         "sizes": sizes,
         "record": record,
         "goals": {
             **record_goals,
             "overhead_p99_under_2ms_at_100": sizes["100"]["overhead_ms"]["p99"] < 2.0,
+            "within_1ms_of_passthrough_p99": {
+                k: v["proxies"]["passthrough"]["gateway_minus_this_ms"]["p99"] <= 1.0 for k, v in sizes.items()
+            },
             "check_at_most_3x_decode": {k: v["check_p99_over_decode"] <= 3.0 for k, v in sizes.items()},
             "check_next_request_at_most_3x_decode": {
                 k: v["check_next_request_p99_over_decode"] <= 3.0 for k, v in sizes.items()

@@ -34,13 +34,14 @@ from sessionlog.log import SessionLog
 from sessionlog.record import events_filter, in_subject
 from sessionlog.settings import Settings
 
+from .common import scale
 from .synth import synthetic_log
 
-PUBLISHES = 1500  # (a) and (b): one event per acknowledged publish
-STREAMED = 30_000  # (c): chunks, flushed every FLUSH_EVERY
+PUBLISHES = scale(1500, 150)  # (a) and (b): one event per acknowledged publish
+STREAMED = scale(30_000, 2_000)  # (c): chunks, flushed every FLUSH_EVERY
 FLUSH_EVERY = 50
-READ_EVENTS = 100_000
-READ_ROUNDS = 3
+READ_EVENTS = scale(100_000, 5_000)
+READ_ROUNDS = scale(3, 1)
 
 _payloads = msgspec.json.Decoder(list[msgspec.Raw])
 

@@ -34,11 +34,12 @@ from sessionlog.session import Session
 from sessionlog.settings import Settings
 
 from .bench_ui_audit import _session_header
+from .common import scale
 from .synth import synthetic_log
 
-SESSIONS = 10_000
-SESSION_EVENTS = 100_000
-ROUNDS = 15
+SESSIONS = scale(10_000, 200)
+SESSION_EVENTS = scale(100_000, 5_000)
+ROUNDS = scale(15, 3)
 SMALL_LOG = [
     b'{"seq":0,"time":1780000000000,"type":"turn/start","data":{"turn":1}}',
     b'{"seq":1,"time":1780000000001,"type":"user/message","data":{"id":"u1","role":"user","source":{"kind":"user"},'

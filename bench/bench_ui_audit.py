@@ -40,11 +40,12 @@ from sessionlog.session import Session
 from sessionlog.settings import Settings
 from sessionlog.transcript import build_transcript
 
+from .common import scale
 from .synth import HEADER, synthetic_log
 
-RENDER_EVENTS = 10_000
-TAIL_ROUNDS = 300
-AUDIT_EVENTS = 100_000
+RENDER_EVENTS = scale(10_000, 1_000)
+TAIL_ROUNDS = scale(300, 30)
+AUDIT_EVENTS = scale(100_000, 5_000)
 
 
 def render_log() -> list[bytes]:

@@ -13,17 +13,38 @@ class LogBuilder:
     def __init__(self) -> None:
         self.events: list[bytes] = []
         self.turn = 0
+        self.surface: list[int] = []  # seqs of the messages the derived view holds now
+        self.compactions = 0
 
     def add(self, event_type: str, data: Any, **surface: Any) -> int:
         seq = len(self.events)
         self.events.append(encode_new_event(event_type, data, seq=seq, time=1_780_000_000_000 + seq, **surface))
+        if surface.get("surface_op") == "append":
+            self.surface.append(seq)
         return seq
 
-    def turn_with_tools(self, *, deltas: int = 40, tools: int = 2) -> None:
-        """One turn: a user message, a step that streams text and calls tools, a step that answers."""
+    def compact(self) -> None:
+        """In an open turn: one summary message replaces every message so far (a `replace` surface op)."""
+        self.compactions += 1
+        summary = {
+            "id": f"sum{self.compactions}",
+            "role": "user",
+            "source": {"kind": "plugin", "plugin": "compact"},
+            "content": [{"type": "text", "text": "summary of the conversation so far " * 4}],
+        }
+        nodes = self.surface
+        op = {"op": "replace", "start": nodes[0], "end": nodes[-1]}
+        seq = self.add("user/message", summary, surface_op=op, source_event_seqs=sorted(nodes))
+        self.surface = [seq]
+
+    def turn_with_tools(self, *, deltas: int = 40, tools: int = 2, compact: bool = False) -> None:
+        """One turn: a user message, a step that streams text and calls tools, a step that answers; with `compact`,
+        the turn opens with a compaction of everything before it."""
         self.turn += 1
         t = self.turn
         self.add("turn/start", {"turn": t})
+        if compact and self.surface:
+            self.compact()
         msg = {
             "id": f"u{t}",
             "role": "user",
@@ -98,10 +119,13 @@ class LogBuilder:
         self.add("turn/end", {"turn": t, "reason": {"kind": "completed"}})
 
 
-def synthetic_log(n_events: int, *, deltas: int = 40, tools: int = 2) -> list[bytes]:
+def synthetic_log(n_events: int, *, deltas: int = 40, tools: int = 2, compact_every: int = 0) -> list[bytes]:
+    """Whole turns until at least `n_events`; with `compact_every`, every that many turns the next turn opens
+    with a compaction."""
     builder = LogBuilder()
     while len(builder.events) < n_events:
-        builder.turn_with_tools(deltas=deltas, tools=tools)
+        due = bool(compact_every) and builder.turn > 0 and builder.turn % compact_every == 0
+        builder.turn_with_tools(deltas=deltas, tools=tools, compact=due)
     return builder.events
 
 

@@ -5,6 +5,7 @@ each step bounded, whether or not the server still runs (a test may have killed 
 hangs the module's loop. A module's own stack (`Harness`, `Stack`, `Logs`) subclasses it with what that module
 starts (a runner, a deriver, a repairer). `serving` runs one service for a module-scoped fixture.
 
+`ServiceProcess` runs a `sessionlog` command (a service, the scripted provider) as a subprocess of its own.
 `eventually` polls until something holds, `freeze` stops a server's process, `assert_contiguous` checks a
 session's records; the event builders live in `sessiongen`, the servers, the module's `log` and `bounded` (one
 teardown step that cannot hang) in `natsfixtures`.
@@ -14,9 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
@@ -24,6 +30,7 @@ from typing import Any, Protocol, Self, TypeVar
 import pytest
 from natsfixtures import CLOSE_S, WAIT_S, bounded, log_settings, new_session_id, reconnect_stopped
 
+from sessionlog.embedded import free_port
 from sessionlog.events import Event
 from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.record import Record
@@ -152,3 +159,78 @@ def assert_contiguous(records: list[Record]) -> None:
 
 def raws(events: list[Event]) -> list[bytes]:
     return [e.raw for e in events]
+
+
+class ServiceProcess:
+    """`python -m sessionlog serve NAME` (or another `sessionlog` command) in a subprocess of its own, with its own
+    environment (none of the caller's `SESSIONLOG_` variables), health port and output file in `workdir`.
+
+    `command` replaces `serve NAME` (for example `["scripted-provider", "--script", path, "--port", "8479"]`);
+    `wait_ready(url=...)` polls that URL instead of the process's `/readyz` (a server without the metrics port)."""
+
+    def __init__(self, name: str, url: str, workdir: Path, *, command: list[str] | None = None, **env: str) -> None:
+        self.name = name
+        self.url = url
+        self.workdir = workdir
+        self.command = command if command is not None else ["serve", name]
+        self.metrics_port = free_port()
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONLOG_")}
+        self.env.update(
+            SESSIONLOG_NATS_URL=url,
+            SESSIONLOG_METRICS_PORT=str(self.metrics_port),
+            SESSIONLOG_LEASE_TTL_S=str(int(LEASE_TTL_S)),
+            **env,
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self, *args: str) -> None:
+        self.starts += 1
+        out = open(self.workdir / f"{self.name}-{self.starts}.log", "wb")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sessionlog", *self.command, *args],
+            cwd=self.workdir,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        out.close()
+
+    def output(self) -> str:
+        return (self.workdir / f"{self.name}-{self.starts}.log").read_text(errors="replace")[-3000:]
+
+    def health(self, path: str = "/readyz", url: str | None = None) -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(url or f"http://127.0.0.1:{self.metrics_port}{path}", timeout=1) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as err:
+            return err.code, None
+        except (OSError, ValueError):
+            return 0, None
+
+    async def wait_ready(self, timeout: float = 20.0, *, url: str | None = None) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, f"{self.name} exited:\n{self.output()}"
+            status, body = await asyncio.to_thread(self.health, url=url)
+            if status == 200:
+                return dict(body)
+            await asyncio.sleep(0.1)
+        pytest.fail(f"{self.name} not ready within {timeout}s:\n{self.output()}")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        assert self.proc.returncode == -signal.SIGKILL
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import openai
 import pytest
 from conftest import FIXTURES_DIR, dsh_header_problem, normalize_fixture
 
+from services.cli import main as installed_main
 from sessionlog.cli import main
+from sessionlog.embedded import free_port
 from sessionlog.jsonl import read_jsonl
 from sessionlog.repair import interrupted_turn_closers
 from sessionlog.session import Session
@@ -187,6 +192,49 @@ def test_the_console_script_runs_as_a_process(parallel: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ok: 32 events")
+
+
+def test_the_scripted_provider_command_serves_its_script_until_terminated(tmp_path: Path) -> None:
+    script = tmp_path / "replies.jsonl"
+    script.write_text('# one reply a line\n{"text": "hello from the script"}\n')
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONLOG_")}
+    argv = [sys.executable, "-m", "sessionlog", "scripted-provider", "--script", str(script), "--port", str(port)]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        reply = None
+        deadline = time.monotonic() + 20
+        while reply is None and time.monotonic() < deadline:
+            try:
+                reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            except openai.APIConnectionError:
+                assert proc.poll() is None, "the scripted provider exited"
+                time.sleep(0.05)
+        assert reply is not None and reply.choices[0].message.content == "hello from the script"
+        with pytest.raises(openai.InternalServerError, match="script exhausted"):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "again"}])
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 0, out
+    assert f"scripted provider on http://127.0.0.1:{port}/v1 (1 replies)" in out
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [(None, "no script file"), ('[{"text": "ok"}, 3]', "not a script of replies"), ("{oops\n", "not a script")],
+)
+def test_the_scripted_provider_command_refuses_a_bad_script_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str | None, expected: str
+) -> None:
+    script = tmp_path / "replies.json"
+    if content is not None:
+        script.write_text(content)
+    code = installed_main(["scripted-provider", "--script", str(script), "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert expected in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("depth", [70, 3000])

@@ -14,13 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,12 +23,12 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from natsfixtures import new_session_id
-from scaffold import LEASE_TTL_S, WAIT_S, Opened, eventually
+from scaffold import LEASE_TTL_S, WAIT_S, Opened, ServiceProcess, eventually
 from sessiongen import compact_all, streamed_turn, user_message_data
 from test_runner import ALL, CheckedDeriver, CheckedState, ids_in_partition, last_stream_seq, snapshot
 
 from services.context_deriver.service import ContextDeriverService
-from sessionlog.embedded import EmbeddedServer, free_port
+from sessionlog.embedded import EmbeddedServer
 from sessionlog.errors import SessionLogError
 from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.micro import ERROR_CODE_HEADER, call
@@ -447,76 +441,6 @@ async def test_stats_say_what_the_replica_holds(stack: Stack) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- kill -9
-
-
-class ServiceProcess:
-    """`python -m sessionlog serve NAME` in a subprocess, with its own environment and health port."""
-
-    def __init__(self, name: str, url: str, workdir: Path, **env: str) -> None:
-        self.name = name
-        self.url = url
-        self.workdir = workdir
-        self.metrics_port = free_port()
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("SESSIONLOG_")}
-        self.env.update(
-            SESSIONLOG_NATS_URL=url,
-            SESSIONLOG_METRICS_PORT=str(self.metrics_port),
-            SESSIONLOG_LEASE_TTL_S=str(int(LEASE_TTL_S)),
-            **env,
-        )
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    def start(self, *args: str) -> None:
-        self.starts += 1
-        out = open(self.workdir / f"{self.name}-{self.starts}.log", "wb")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sessionlog", "serve", self.name, *args],
-            cwd=self.workdir,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-        out.close()
-
-    def output(self) -> str:
-        return (self.workdir / f"{self.name}-{self.starts}.log").read_text(errors="replace")[-3000:]
-
-    def health(self, path: str = "/readyz") -> tuple[int, Any]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}{path}", timeout=1) as reply:
-                return reply.status, json.loads(reply.read())
-        except urllib.error.HTTPError as err:
-            return err.code, None
-        except (OSError, ValueError):
-            return 0, None
-
-    async def wait_ready(self, timeout: float = 20.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None and self.proc.poll() is None, f"{self.name} exited:\n{self.output()}"
-            status, body = await asyncio.to_thread(self.health)
-            if status == 200:
-                return dict(body)
-            await asyncio.sleep(0.1)
-        pytest.fail(f"{self.name} not ready within {timeout}s:\n{self.output()}")
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-        assert self.proc.returncode == -signal.SIGKILL
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
 
 
 @pytest.fixture

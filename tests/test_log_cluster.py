@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,16 +23,19 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from natsfixtures import new_session_id, start_cluster
-from scaffold import Opened, assert_contiguous, raws
+from scaffold import Opened, assert_contiguous, eventually, freeze, raws
 from sessiongen import user_message_data
 
+from services.context_deriver.service import ContextDeriverService, canonical_messages
 from sessionlog.embedded import Cluster
 from sessionlog.errors import LogUnavailable, SessionLogError
 from sessionlog.events import Event
 from sessionlog.jsonl import decode_header
 from sessionlog.log import SessionLog, SessionWriter
-from sessionlog.provision import resources
+from sessionlog.micro import call
+from sessionlog.provision import resources, wait_until_served
 from sessionlog.record import Record
+from sessionlog.session import Session
 from sessionlog.settings import Settings
 
 pytest_plugins = ["natsfixtures"]
@@ -83,20 +87,10 @@ async def turn(writer: SessionWriter, text: str) -> list[bytes]:
 async def every_stream_has_a_leader(log: SessionLog, timeout: float = 30.0) -> None:
     """Provisioning returns when the R3 streams exist, not when each has elected a leader and answers direct
     gets; a write or a read in between fails (LOG_UNAVAILABLE: no responders). Wait for both."""
-    deadline = time.monotonic() + timeout
-    for resource in resources(log.settings):
-        while True:
-            with contextlib.suppress(Exception):
-                info = await log.js.stream_info(resource.stream)
-                if info.cluster is not None and info.cluster.leader:
-                    if not resource.config.get("allow_direct"):
-                        break
-                    # Any answer (a message or a 404 status) shows a direct get responder; none raises.
-                    await log.nc.request(f"$JS.API.DIRECT.GET.{resource.stream}", b'{"seq":1}', timeout=1.0)
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"{resource.label} has no leader answering direct gets after {timeout}s")
-            await asyncio.sleep(0.05)
+    try:
+        await wait_until_served(log.nc, log.js, log.settings, timeout)
+    except LogUnavailable as err:
+        pytest.fail(str(err))
 
 
 def connected_node(cluster: Cluster, log: SessionLog) -> int:
@@ -329,6 +323,49 @@ async def test_without_quorum_a_new_process_connects_and_reads_from_a_surviving_
     assert listed.returncode == 0 and sid in listed.stdout.decode(), listed.stderr.decode()
 
 
+async def test_without_quorum_a_projection_service_starts_answers_from_the_survivor_and_claims_once_it_returns(
+    cluster: Cluster, logs: Logs
+) -> None:
+    # No leader anywhere: no durable consumer can be made and no partition lease taken. The service still starts,
+    # answers from the surviving replica (direct gets), says it is not ready, and takes its partitions when the
+    # other nodes come back, without a restart.
+    log = await logs.connect()
+    sid = new_session_id()
+    writer = await log.create(sid)
+    written = await turn(writer, "Written while the cluster was whole.")
+    await writer.close()
+    await replicas_current(log)
+    survivor = connected_node(cluster, log)
+    doomed = [i for i in range(len(cluster)) if i != survivor]
+    lose_quorum(cluster, log)
+
+    timeout = 3.0
+    served = await Opened.connect(logs, cluster[survivor].url, request_timeout_s=timeout, lease_ttl_s=1.0)
+    service = logs.keep_service(ContextDeriverService(served))  # claims its partitions (no fixed set)
+    await asyncio.wait_for(service.start(), timeout * 4 + HANG_S)  # the bound only proves no hang
+    await served.nc.flush()
+    expected = Session()
+    for raw in written:
+        expected.append(raw)
+    reply = await call(served.nc, "sessionlog.context.derive", {"session": sid}, timeout=timeout * 2 + HANG_S)
+    assert reply["messages"] == json.loads(canonical_messages(expected)[0]), "answered from the surviving replica"
+    assert reply["seq"] == len(written) - 1
+    health = service.health()
+    assert not health["ready"], health
+    assert health["partitions"] == [] or health["stalled"], health
+
+    for i in doomed:
+        await asyncio.to_thread(cluster.restart, i)
+
+    async def claimed_and_ready() -> bool:
+        now = service.health()
+        return bool(now["ready"]) and now["partitions"] == list(range(served.settings.partition_count))
+
+    await eventually(claimed_and_ready, "every partition claimed and the service ready", RECOVERY_S)
+    reply = await call(served.nc, "sessionlog.context.derive", {"session": sid}, timeout=timeout * 2 + HANG_S)
+    assert reply["messages"] == json.loads(canonical_messages(expected)[0])
+
+
 async def test_without_quorum_creating_is_log_unavailable_and_listing_answers_from_the_surviving_replica(
     cluster: Cluster, logs: Logs
 ) -> None:
@@ -410,3 +447,34 @@ async def test_with_every_node_down_reads_are_log_unavailable_not_a_raw_nats_err
     header = escaped["header"]
     assert isinstance(header, LogUnavailable)
     assert header.message.startswith(f"read the header of session {sid}: "), "the message names the operation"
+
+
+async def test_a_retry_that_meets_its_first_attempt_still_replicating_waits_for_it_and_lands_once(
+    cluster: Cluster, logs: Logs
+) -> None:
+    # Both followers frozen: the leader holds the record's proposal without a quorum. The first attempt times out
+    # (a third of the budget); the retry, with the same message id, is answered "duplicate message id is in
+    # process" (JetStream 10158). That says the first attempt's outcome is still pending, not that the log is
+    # unavailable: the writer must keep asking until the thawed followers commit it, then settle the duplicate.
+    log = await logs.connect(request_timeout_s=9.0, lease_ttl_s=60.0)
+    sid = new_session_id()
+    writer = logs.keep(await log.create(sid))
+    written = await turn(writer, "Before.")
+    await writer.flush()
+    leader = await stream_leader(cluster, log)
+    followers = [s.pid for i, s in enumerate(cluster.servers) if i != leader]
+    assert all(pid is not None for pid in followers)
+    for pid in followers:
+        await freeze(pid)  # type: ignore[arg-type]
+    try:
+        written += await turn(writer, "Proposed while the followers sleep.")
+        flushing = asyncio.create_task(writer.flush())
+        await asyncio.sleep(4.5)  # the first attempt timed out at 3 s; the retry met it in process
+        assert not flushing.done(), flushing.exception() if flushing.done() else None
+    finally:
+        for pid in followers:
+            os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
+    assert await asyncio.wait_for(flushing, 20) == len(written) - 1
+    records = await log.reader.records(sid)
+    assert_contiguous(records)
+    assert [e for r in records for e in r.events] == written  # each event once: the retry was settled, not doubled

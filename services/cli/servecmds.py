@@ -1,9 +1,11 @@
-"""`sessionlog serve NAME|all` and the commands that call services: `repair-session`."""
+"""`sessionlog serve NAME|all`, the commands that call services (`repair-session`), and `scripted-provider`, the
+offline provider that a gateway can forward to."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import msgspec
@@ -58,6 +60,35 @@ def repair_session(
     typer.echo(f"{session_id}: {len(reply.get('closers', []))} closers appended", err=True)
 
 
+def scripted_provider(
+    script: Annotated[
+        Path,
+        typer.Option(
+            "--script", help="The replies: a JSON array or a JSONL file (one reply object a line).", show_default=False
+        ),
+    ],
+    host: Annotated[str, typer.Option("--host", help="Bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="HTTP port.")] = 8479,
+    cycle: Annotated[bool, typer.Option("--cycle", help="Start again from the first reply when used up.")] = False,
+) -> None:
+    """Serve an offline OpenAI-compatible provider that answers from a script, until Ctrl-C.
+
+    Point the gateway at it with SESSIONLOG_PROVIDER_BASE_URL=http://HOST:PORT/v1. The reply fields (text,
+    tool_calls, usage, status, delays, ...) are described in services/gateway/scripted.py.
+    """
+    from services.gateway.scripted import run
+
+    if not script.is_file():
+        raise typer.BadParameter(f"no script file at {script}")
+    if not 0 < port < 65536:
+        raise typer.BadParameter(f"--port must be 1..65535, got {port}")
+    try:
+        run(script, host=host, port=port, cycle=cycle)
+    except (ValueError, msgspec.DecodeError) as err:
+        raise typer.BadParameter(f"{script}: not a script of replies: {err}") from None
+
+
 def register(app: typer.Typer) -> None:
     app.command()(serve)
     app.command("repair-session")(repair_session)
+    app.command("scripted-provider")(scripted_provider)

@@ -64,6 +64,7 @@ from sessionlog.wire import (
     compare_request,
     parse_request,
     to_wire,
+    too_deep,
 )
 
 from .config import GatewayConfig
@@ -322,6 +323,8 @@ class Gateway:
                 divergence = compare_request(parsed, derivation.messages, header, cache=self._cache(call.session_id))
         except SessionLogError as err:
             return self._refuse(call, err)
+        except RecursionError:  # `messages` decoded lazily, or compared, nested past what can recurse
+            return self._refuse(call, too_deep())
         except (nats.errors.Error, OSError) as exc:
             return self._refuse(call, LogUnavailable(f"the log cannot be read: {type(exc).__name__}: {exc}"))
         if divergence is not None:

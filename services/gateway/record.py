@@ -65,7 +65,7 @@ from sessionlog.log import SessionWriter
 from sessionlog.session import DerivedMessage, Session
 from sessionlog.surface import ReplaceOp
 from sessionlog.tasks import detach
-from sessionlog.wire import PHRASE, WireCache, compare_request, parse_request
+from sessionlog.wire import PHRASE, WireCache, compare_request, parse_request, too_deep
 from sessionlog.wireforms import (
     ResponseAssembler,
     SseLines,
@@ -231,7 +231,8 @@ class Recorder:
             parsed = parse_request(body, lazy=True)
             writer = await self._writer(session_id, held)
             exchange = await self._log_request(call, held, writer, parsed)
-        except SessionLogError as err:
+        except (SessionLogError, RecursionError) as caught:
+            err = too_deep() if isinstance(caught, RecursionError) else caught
             if held is not None:
                 self._free(call.session_id, held, broken=isinstance(err, Conflict) or held.dirty)
             return gateway.refuse(call, err)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import signal
 import threading
 import time
 import uuid
@@ -266,11 +267,32 @@ def _completion(reply: dict[str, Any], model: str, size: int) -> dict[str, Any]:
     }
 
 
+def run(script: Path, *, host: str = "127.0.0.1", port: int = 8479, cycle: bool = False) -> None:
+    """Serve `script` on host:port until SIGINT or SIGTERM (what `sessionlog scripted-provider` runs).
+
+    The script is read before anything listens, so a bad one fails at once (`ValueError`, `msgspec.DecodeError`
+    or `OSError`) instead of answering 500 on the first request.
+    """
+    from sessionlog import asgi
+
+    replies = load_script(script)
+    provider = ScriptedProvider(replies, cycle=cycle)
+
+    async def serve() -> None:
+        task = asyncio.ensure_future(asgi.serve_until_cancelled(provider.app(), host, port))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        print(f"scripted provider on http://{host}:{port}/v1 ({len(replies)} replies)", flush=True)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(serve())
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m services.gateway.scripted SCRIPT [--port N] [--cycle]`: serve a script until interrupted."""
     import argparse
-
-    from sessionlog import asgi
 
     parser = argparse.ArgumentParser(description="the scripted OpenAI-compatible provider")
     parser.add_argument("script", type=Path, help="JSON array or JSONL file of replies")
@@ -278,10 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8479)
     parser.add_argument("--cycle", action="store_true", help="start again from the first reply when used up")
     args = parser.parse_args(argv)
-    provider = ScriptedProvider(args.script, cycle=args.cycle)
-    print(f"scripted provider on http://{args.host}:{args.port}/v1", flush=True)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(asgi.serve_until_cancelled(provider.app(), args.host, args.port))
+    run(args.script, host=args.host, port=args.port, cycle=args.cycle)
     return 0
 
 

@@ -330,8 +330,10 @@ class EmbeddedServer(_StartStop):
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self._log_offset = self._log.tell()
         # stdout/stderr go to a file, never a pipe: nobody reads a pipe, and a full one would stall the server.
+        # A session of its own: a terminal's Ctrl-C goes to the whole foreground process group, and the server
+        # must outlive it long enough for its owner to stop the services that write to it, then stop it.
         self._proc = subprocess.Popen(
-            self.command(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+            self.command(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
         with _LIVE_LOCK:
             _LIVE.add(self)

@@ -444,5 +444,8 @@ def error_from_code(code: str, message: str, *, seq: int | None = None) -> Sessi
 JS_WRONG_LAST_SEQUENCE: Final = (10071, 10164)
 # The stream is full and refuses new messages (`discard: new`): resources, store full, and the limit forms.
 JS_STORE_FULL: Final = (10047, 10077, 10027)
+# "duplicate message id is in process": an earlier publish with this message id is still being stored (on a
+# cluster, replicated); its outcome is pending, not refused.
+JS_DUPLICATE_IN_PROCESS: Final = 10158
 JS_STREAM_NOT_FOUND: Final = 10059
 JS_STREAM_NAME_IN_USE: Final = 10058

@@ -37,6 +37,7 @@ from nats.js.kv import KeyValue
 from .availability import is_unavailable, retry_unanswered, translates_unavailable, unavailable_as_typed
 from .connection import connect as nats_connect
 from .errors import (
+    JS_DUPLICATE_IN_PROCESS,
     JS_STORE_FULL,
     JS_WRONG_LAST_SEQUENCE,
     Conflict,
@@ -725,7 +726,7 @@ class RecordPublisher:
                     f"stream {self._log.settings.stream} is full and refuses new records ({error.get('description')})",
                     seq=first_seq,
                 )
-            if error.get("code") == 503:
+            if error.get("code") == 503 or code == JS_DUPLICATE_IN_PROCESS:
                 timed_out = True
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.5)

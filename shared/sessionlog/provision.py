@@ -36,12 +36,16 @@ Decisions (2026-12):
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from sessionlog.errors import (
@@ -462,3 +466,26 @@ async def provision(js: JetStreamContext, settings: Settings, *, create: bool = 
             f"creating {resource.label} failed: {error.get('description')} (err_code {error.get('err_code')})"
         )
     return report
+
+
+async def wait_until_served(nc: Client, js: JetStreamContext, settings: Settings, timeout: float = 30.0) -> None:
+    """Until every stream and bucket of the layout has a leader that answers (direct gets too, where allowed).
+
+    On a cluster, provisioning returns when the replicated streams exist, not when each has elected a leader and
+    answers direct gets; a write or read in between fails with no responders. Raises LogUnavailable after
+    `timeout` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    for resource in resources(settings):
+        while True:
+            with contextlib.suppress(Exception):
+                info = await js.stream_info(resource.stream)
+                if info.cluster is None or info.cluster.leader:
+                    if not resource.config.get("allow_direct"):
+                        break
+                    # Any answer (a message or a 404 status) shows a direct get responder; none raises.
+                    await nc.request(f"$JS.API.DIRECT.GET.{resource.stream}", b'{"seq":1}', timeout=1.0)
+                    break
+            if time.monotonic() > deadline:
+                raise LogUnavailable(f"{resource.label} has no leader answering after {timeout}s")
+            await asyncio.sleep(0.05)

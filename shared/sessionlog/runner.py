@@ -28,6 +28,9 @@ by a `SessionState` with `apply(record)`. The runner feeds it:
   (`partition.<projection>.<N>`) so replicas split the partitions and a survivor takes over a dead replica's
   partitions once their leases expire. Replicas find each other with a presence request on
   `sessionlog.replicas.<projection>`; each takes a fair share, preferring partitions by rendezvous hash.
+- a start without quorum (no leader to grant a lease or create a consumer) still starts: queries load sessions by
+  direct get from any replica, `health()` is not ready while claims fail (`claim_failure`) or partitions are
+  stalled, and the claim loop and each consumer keep trying until the cluster answers again.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from typing import Any, ClassVar, Final, Generic, TypeVar
 import nats.errors
 from nats.js import api
 from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
 
 from .errors import CorruptLog, InvalidSessionId, LeaseHeld, LeaseLost, LogUnavailable, SessionLogError
 from .ids import check_session_id
@@ -187,13 +191,19 @@ class ProjectionRunner(Generic[S]):
         self._purges: Any = None
         self._leases = Leases(log_.js, self.settings.kv_leases, timeout=self.settings.request_timeout_s)
         self._kv: Any = None
+        # Why partitions are not being claimed right now (None: the last claim round went through). Without a
+        # leader no lease can be taken: the replica owns nothing, answers queries from the stream, is not ready.
+        self.claim_failure: str | None = "no claim round has completed yet" if self.claim else None
         self.started = asyncio.Event()
 
     # ---------------------------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         self._running = True
-        self._kv = await self.log.js.key_value(self.settings.kv_checkpoints)
+        # Built, not looked up (`js.key_value` asks the stream leader for its info, which a cluster without quorum
+        # has not): checkpoints are read by direct get, and a start without quorum goes on to answer queries.
+        bucket = self.settings.kv_checkpoints
+        self._kv = KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=self.log.js, direct=True)
         await self._recall_quarantine()
         self._purges = await self.log.nc.subscribe(f"{PURGED_PREFIX}*", cb=self._on_purge)
         if self.claim:
@@ -249,11 +259,15 @@ class ProjectionRunner(Generic[S]):
         return {
             "projection": self.name,
             "replica": self.replica_id,
-            "ready": all(p.ready.is_set() for p in self._partitions.values()) and self.started.is_set() and not stalled,
+            "ready": all(p.ready.is_set() for p in self._partitions.values())
+            and self.started.is_set()
+            and not stalled
+            and self.claim_failure is None,
             "live": self._running,
             "partitions": self.owned,
             "stalled": sorted(stalled),
             "stalled_reasons": {str(n): why for n, why in sorted(stalled.items())},
+            "claim_failure": self.claim_failure,
             "lag_events": lag,
             "sessions": len(self.states),
             "quarantined": len(self.quarantined),
@@ -716,9 +730,11 @@ class ProjectionRunner(Generic[S]):
         while self._running and not self.log.nc.is_closed:
             try:
                 await self._claim_round(ttl)
+                self.claim_failure = None
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # the next round tries again
+                self.claim_failure = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
                 log.warning("%s: partition claim round failed: %s", self.name, err)
             await asyncio.sleep(period)
 

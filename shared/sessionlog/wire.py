@@ -58,7 +58,7 @@ from typing import Any, Final
 import msgspec
 
 from .errors import DerivationDiverges, HeaderDiverges, InvalidRequest, SessionLogError, UnsupportedContent
-from .events import ImageBlock, ReasoningBlock, TextBlock, ToolCallBlock, ToolResultBlock, nests_deeper_than
+from .events import ImageBlock, ReasoningBlock, TextBlock, ToolCallBlock, ToolResultBlock
 from .session import DerivedMessage, DerivedMessages, FoldedHeader
 from .wireforms import canonical as normal_canonical
 from .wireforms import normal_message, wire_tool
@@ -66,7 +66,6 @@ from .wireforms import normal_message, wire_tool
 TRANSPORT_FIELDS: Final = frozenset({"stream", "stream_options"})
 # The deepest request body the gateway reads. Past Python's recursion limit (about 1,000) every decoder and the
 # comparison raise RecursionError (a 500); 128 leaves room for tools' JSON schemas nested 60 properties deep.
-MAX_REQUEST_DEPTH: Final = 128
 PHRASE: Final = "diverges from the dispatch-time durable derivation"
 
 _encoder: Final = msgspec.json.Encoder(order="sorted")
@@ -381,8 +380,19 @@ def parse_request(body: bytes | Mapping[str, Any], *, lazy: bool = False) -> dic
     """
     if isinstance(body, Mapping):
         return dict(body)
-    if nests_deeper_than(body, MAX_REQUEST_DEPTH):
-        raise InvalidRequest(f"the request body nests more than {MAX_REQUEST_DEPTH} levels of JSON objects and arrays")
+    try:
+        return _parse_body(body, lazy)
+    except RecursionError:
+        raise too_deep() from None
+
+
+def too_deep() -> InvalidRequest:
+    """A body nested deeper than the decoders (or the comparison) recurse. Caught where it happens rather than
+    scanned for up front: a scan of every body cost two decodes (2026-12-03, bench_gateway)."""
+    return InvalidRequest("the request body nests JSON objects and arrays too deeply")
+
+
+def _parse_body(body: bytes, lazy: bool) -> dict[str, Any]:
     if lazy:
         try:
             fields = _top_decoder.decode(body)

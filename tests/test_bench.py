@@ -1,0 +1,96 @@
+"""`python -m bench --quick` runs the whole suite at small sizes and writes a document with every section and a
+number in each: the suite is proved to work; no time is asserted (the figures come from the full run)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO_ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+SECTIONS = {
+    "bench_session": ["per_append", "ingest.events_per_s", "replace.after_over_before"],
+    "bench_stores": [
+        "raw_publish.sync.events_per_s",
+        "raw_publish.async.events_per_s",
+        "sessionlog_agent.events_per_s",
+        "sessionlog_agent.flush.p99_ms",
+        "sqlite_per_event.events_per_s",
+        "sqlite_batched.events_per_s",
+        "sqlite_read_100k.events_per_s",
+        "naive.messages_per_s",
+        "naive.originals_lost",
+        "concurrent",
+        "append_cost_by_size.naive",
+        "append_cost_by_size.sessionlog",
+    ],
+    "bench_log": ["raw_publish.p99_ms", "writer_flush_each.p99_ms", "writer_streaming.events_per_s", "read_100k"],
+    "bench_gateway": ["sizes.100.overhead_ms.p99", "sizes.100.proxies.passthrough.ttfb_ms.p99", "sizes.100.decode_ms"],
+    "bench_ui_audit": ["render.total_ms", "live_tail.after_flush_ack_ms.p99", "auditor.auditor_over_floor"],
+    "bench_ui": ["overview.html_first_page.median_ms", "session.transcript_page.median_ms"],
+    "bench_projections": ["lag", "derive", "rebuild.every_projection"],
+    "bench_fleet": [
+        "single.per_projection",
+        "single.mib_per_1000_sessions",
+        "cluster.per_projection",
+        "cluster.timeline",
+    ],
+}
+
+
+def at(doc: Any, path: str) -> Any:
+    for key in path.split("."):
+        assert isinstance(doc, dict) and key in doc, f"{path}: no {key!r}"
+        doc = doc[key]
+    return doc
+
+
+def numbers(value: Any) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int | float):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in numbers(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in numbers(v)]
+    return []
+
+
+def test_the_quick_run_writes_every_section_with_numbers(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(out), "--plots", str(tmp_path / "plots")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,  # a bound that proves no hang, not a speed
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["quick"] is True
+    for side in ("machine_before", "machine_after"):
+        assert doc[side]["cores"] >= 1 and len(doc[side]["load_average"]) == 3
+        assert doc[side]["nats_server"] and doc[side]["python"]
+    for section, paths in SECTIONS.items():
+        assert "error" not in doc[section], doc[section].get("error")
+        for path in paths:
+            found = numbers(at(doc[section], path))
+            assert found, f"{section}.{path} holds no number"
+            assert not all(math.isnan(x) for x in found), f"{section}.{path} holds only NaN"
+    # every goal was judged on a figure of this run, and the table was printed
+    goals = [row for row in doc["goals"] if row["target"]]
+    assert len(goals) >= 12
+    assert all(isinstance(row["figure"], float | int) for row in goals), [r for r in goals if r["figure"] is None]
+    assert "each goal beside its figure" in done.stdout
+    # the naive store lost the originals its compactions replaced; the log lost none
+    assert doc["bench_stores"]["naive"]["originals_lost"] > 0
+    agent = doc["bench_stores"]["sessionlog_agent"]
+    assert agent["messages_readable_after"] == agent["messages_written"]

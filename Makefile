@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The Node clients the tests drive (the official `openai` package from npm), installed from the lock file.
 NODE_STAMP := tests/node/node_modules/.installed
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint demo bench clean reliability
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,21 @@ lint: $(STAMP)
 
 test: lint $(NODE_STAMP)
 	$(BIN)/pytest -q
+
+# The reliability suite at full scale (issue 15; minutes to an hour): every fault many times, the 1,000-session
+# load, Hypothesis's thorough profile. `make test` runs the same tests at a small bounded scale. The figures land in
+# test-output/reliability-figures.jsonl and then in the table of docs/reliability.md. The thorough Hypothesis tests run
+# in a pytest process of their own: after their thousands of examples, a RecursionError that a later test provokes
+# on purpose (deep nesting, an xfail) left CPython 3.11 unable to compile pytest's report (an INTERNALERROR).
+reliability: $(STAMP)
+	mkdir -p test-output
+	rm -f test-output/reliability-figures.jsonl
+	SESSIONLOG_RELIABILITY=full HYPOTHESIS_PROFILE=thorough $(BIN)/pytest -q -rxX tests/test_reliability_bad_input.py \
+		-k "mutated_fixture or bad_bytes"
+	SESSIONLOG_RELIABILITY=full $(BIN)/pytest -q -rxX tests/test_reliability_*.py --deselect \
+		tests/test_reliability_bad_input.py::test_a_mutated_fixture_is_imported_whole_or_refused_typed_with_nothing_written \
+		--deselect tests/test_reliability_bad_input.py::test_append_refuses_bad_bytes_typed_and_queues_nothing
+	$(BIN)/python tests/reliability_table.py --mode full --write docs/reliability.md
 
 demo: $(STAMP)
 	$(BIN)/sessionlog demo

@@ -104,10 +104,16 @@ class UIReplayer(Projection[UIState]):
 
     def __init__(self, model_aliases: dict[str, str] | None = None) -> None:
         self.listeners: dict[str, set[_Listener]] = {}
+        # The service's cache of session headers; kept here so that a purge (`on_forget`) drops the header too,
+        # or the erased session would still be found (and its header served) after its records are gone.
+        self.headers: OrderedDict[str, bytes] = OrderedDict()
         self.model_aliases = model_aliases or {}
 
     def new_state(self, session_id: str) -> UIState:
         return UIState(session_id, self.model_aliases)
+
+    def on_forget(self, session_id: str) -> None:
+        self.headers.pop(session_id, None)
 
     def on_applied(self, state: UIState, record: Record) -> None:
         updates, state.updates = state.updates, []
@@ -168,7 +174,7 @@ class UIReplayerService(ProjectionService[UIState]):
         self.deployment = DeploymentHealth(log_)
         self.host = host if host is not None else self.settings.ui_host
         self.port = port if port is not None else self.settings.ui_port
-        self._headers: OrderedDict[str, bytes] = OrderedDict()
+        self._headers = self.projection.headers
         self._server: AsgiServer | None = None
         self._closing = asyncio.Event()
         self.app = self.build_app()

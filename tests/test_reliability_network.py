@@ -1,0 +1,149 @@
+"""Reliability, fault 5 of issue 15: network faults between writers and the server, through a TCP proxy the test
+controls (`faultproxy.FaultProxy`): connections dropped, reset, stalled, and publishes cut in the middle or after
+the server stored them but before its answer got back.
+
+Writers stream tool turns through the proxy while faults come at seeded random moments. Afterwards, read over a
+direct connection: every acknowledged event is in the log exactly once and in order (no duplicate from a retried
+publish whose answer was lost, no gap from a publish cut in half), and the writers rode through. A stall longer
+than the publish budget fails the flush with `LOG_UNAVAILABLE`, which says what is not reported written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+from faultproxy import FaultProxy
+from reliability import Stopwatch, record_figures, rng, scale
+from scaffold import WAIT_S, Opened, eventually
+from sessiongen import streamed_turn
+from test_reliability_server_kill import assert_flushed_events_present_once_in_order, stream_turns
+
+from sessionlog.embedded import EmbeddedServer
+from sessionlog.errors import LogUnavailable, SessionLogError
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
+
+FAULTS = ("drop", "reset", "stall", "cut-mid", "cut-ack-lost")
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def proxy(fresh_server: EmbeddedServer) -> AsyncIterator[FaultProxy]:
+    started = await FaultProxy(fresh_server.host, fresh_server.port).start()
+    try:
+        yield started
+    finally:
+        await started.stop()
+
+
+async def inject(proxy: FaultProxy, fault: str, chance: object) -> None:
+    if fault == "drop":
+        proxy.drop()
+    elif fault == "reset":
+        proxy.reset()
+    elif fault == "stall":
+        proxy.stall()
+        await asyncio.sleep(0.3 + 0.7 * chance.random())  # type: ignore[attr-defined]  # well inside the 5 s budget
+        proxy.resume()
+    else:
+        proxy.cut_next_publish("mid" if fault == "cut-mid" else "ack-lost")
+
+        async def cut() -> bool:
+            return not proxy.cut_pending
+
+        await eventually(cut, f"a publish passes the proxy to be cut ({fault})")
+
+
+async def test_drops_resets_stalls_and_cut_publishes_lose_nothing_and_double_nothing(
+    fresh_server: EmbeddedServer, proxy: FaultProxy
+) -> None:
+    faults = scale(10, 100)
+    writer_count = scale(3, 8)
+    chance = rng("network")
+    recovered = Stopwatch()
+    injected: dict[str, int] = dict.fromkeys(FAULTS, 0)
+    async with Opened(fresh_server.url) as direct, Opened(proxy.url) as through:
+        reader = await direct.connect()  # provisions the log; reads never pass the proxy
+        log = await through.connect()
+        writers = [await through.create(log) for _ in range(writer_count)]
+        failures: list[SessionLogError] = []
+        stop = asyncio.Event()
+        streams = [asyncio.create_task(stream_turns(w, stop, failures)) for w in writers]
+        try:
+            for _ in range(faults):
+                await asyncio.sleep(chance.uniform(0.05, 0.4))
+                fault = chance.choice(FAULTS)
+                before = {w.session_id: w.durable_seq for w in writers}
+                started = time.monotonic()
+                await inject(proxy, fault, chance)
+                injected[fault] += 1
+
+                async def all_wrote_again(before: dict[str, int] = before) -> bool:
+                    return failures != [] or all(w.durable_seq > before[w.session_id] for w in writers)
+
+                await eventually(all_wrote_again, f"every writer acknowledged again after {fault}", 30)
+                recovered.since(started)
+                assert failures == [], f"a writer failed after {fault}: {failures[0]!r}"
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*streams), WAIT_S * 3)
+        assert failures == [], f"a writer failed: {failures[0]!r}"
+        written = 0
+        for writer in writers:
+            await writer.flush()
+            written += await assert_flushed_events_present_once_in_order(reader, writer)
+    assert proxy.cuts_done == injected["cut-mid"] + injected["cut-ack-lost"]
+    record_figures(
+        "network faults through a TCP proxy",
+        fault="drop, reset, stall < budget, publish cut mid-frame, publish stored but its ack lost",
+        writers=writer_count,
+        events_written=written,
+        faults_injected=sum(injected.values()),
+        by_fault=injected,
+        events_lost=0,
+        duplicates=0,
+        worst_recovery_s=recovered.worst,
+    )
+
+
+async def test_a_stall_longer_than_the_budget_is_log_unavailable_and_what_landed_late_is_there_once(
+    fresh_server: EmbeddedServer, proxy: FaultProxy
+) -> None:
+    budget_s = 1.0  # both the request timeout and the publish retry budget (`publish_retry_s`)
+    async with (
+        Opened(fresh_server.url) as direct,
+        Opened(proxy.url, request_timeout_s=budget_s, lease_ttl_s=1, publish_retry_s=budget_s) as through,
+    ):
+        reader = await direct.connect()
+        log = await through.connect()
+        writer = await through.create(log)
+        await streamed_turn(writer, "before the stall")
+        acked = await writer.flush()
+        proxy.stall()
+        started = time.monotonic()
+        with pytest.raises(LogUnavailable) as caught:
+            await streamed_turn(writer, "during the stall")
+            await writer.flush()
+        failed_after = time.monotonic() - started
+        assert caught.value.code == "LOG_UNAVAILABLE" and "reported written" in str(caught.value)
+        assert writer.durable_seq == acked
+        assert failed_after < budget_s * 10 + 5, "bounded, not a hang"
+        proxy.resume()  # the held bytes go through now: the record may land after the error
+        await asyncio.sleep(0.5)
+        stored = await assert_flushed_events_present_once_in_order(reader, writer)
+        assert stored >= acked + 1
+        with contextlib.suppress(SessionLogError):
+            await writer.abandon()
+    record_figures(
+        "a stall longer than the publish budget",
+        fault="the proxy holds every byte for longer than request_timeout_s",
+        events_written=stored,
+        faults_injected=1,
+        events_lost=0,
+        error="LOG_UNAVAILABLE",
+        time_to_error_s=round(failed_after, 3),
+    )

@@ -95,7 +95,8 @@ def connect_and_verify(p: Permissions) -> None:
     # bucket; creating them is the admin's job.
     p.publish("verify the layout at start (stream info only; creating is admin's)",
               *(f"{API}.STREAM.INFO.{name}" for name in ALL_STREAMS))  # fmt: skip
-    p.publish("session headers: read (KV direct get)", f"{API}.DIRECT.GET.KV_{KV_SESSIONS}.>")
+    p.publish("session headers: read (KV direct get; a miss is asked of the bucket's leader)",
+              f"{API}.DIRECT.GET.KV_{KV_SESSIONS}.>", f"{API}.STREAM.MSG.GET.KV_{KV_SESSIONS}")  # fmt: skip
     p.subscribe("replies: JetStream API answers, acks, direct-get batches, consumer deliveries", "_INBOX.>")
 
 

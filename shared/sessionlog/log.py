@@ -168,9 +168,26 @@ class SessionLog:
         try:
             entry = await retry_unanswered(lambda: self._kv_sessions.get(session_id), self.settings.request_timeout_s)
         except (KeyNotFoundError, NotFoundError):
-            return None
+            return await self._header_from_leader(session_id)
         value: bytes | None = entry.value
         return value or None
+
+    async def _header_from_leader(self, session_id: str) -> bytes | None:
+        """A header a direct get did not find, asked of the bucket's leader: a follower that has not yet replicated
+        a header just written (a fork, then reading the child) answers "not found" (seen on a 3-node cluster).
+        Without a leader (no quorum) the follower's answer stands."""
+        bucket = self.settings.kv_sessions
+        try:
+            msg = await self.js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{session_id}")
+        except (KeyNotFoundError, NotFoundError):
+            return None
+        except Exception as err:
+            if is_unavailable(err):
+                return None
+            raise
+        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+            return None
+        return msg.data or None
 
     async def _session_ids(self) -> list[str]:
         """The id of every session with a header: the header bucket read by direct gets (one message per key, its

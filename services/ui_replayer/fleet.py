@@ -29,13 +29,13 @@ from typing import Any, Final
 
 import nats.errors
 from nats.js import api
-from nats.js.errors import NoKeysError, NotFoundError
 
-from sessionlog.errors import InvalidSessionId
+from sessionlog.errors import InvalidSessionId, SessionLogError
 from sessionlog.ids import check_session_id
 from sessionlog.jsonl import decode_header
 from sessionlog.log import SessionLog
 from sessionlog.metrics import REQUESTS
+from sessionlog.reader import StreamReader
 from sessionlog.record import FORMAT, H_COUNT, H_FIRST_SEQ, H_FORMAT, H_OPEN_TURN, session_of_subject
 
 log = logging.getLogger("sessionlog.ui_replayer")
@@ -344,16 +344,16 @@ class DeploymentHealth:
         settings = self.log.settings
         checkpoints: dict[str, dict[int, dict[str, Any]]] = {}
         quarantined: list[dict[str, Any]] = []
-        with contextlib.suppress(NotFoundError, NoKeysError, nats.errors.Error):
-            kv = await self.log.js.key_value(settings.kv_checkpoints)
-            keys = await kv.keys()
-            values = await asyncio.gather(*(kv.get(k) for k in keys), return_exceptions=True)
-            for key, entry in zip(keys, values, strict=True):
-                if isinstance(entry, BaseException) or entry.value is None:
-                    continue
-                name, _, rest = key.partition(".")
+        prefix = f"$KV.{settings.kv_checkpoints}."
+        entries: dict[str, bytes] = {}
+        with contextlib.suppress(SessionLogError, nats.errors.Error):
+            reader = StreamReader(self.log.nc, f"KV_{settings.kv_checkpoints}", timeout=settings.request_timeout_s)
+            entries = await reader.latest_values(f"{prefix}>")
+        for subject, value in entries.items():
+            if value:
+                name, _, rest = subject[len(prefix) :].partition(".")
                 try:
-                    body = json.loads(entry.value)
+                    body = json.loads(value)
                 except ValueError:
                     continue
                 if rest.startswith("quarantine."):

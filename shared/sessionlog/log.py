@@ -175,36 +175,23 @@ class SessionLog:
     async def _header_from_leader(self, session_id: str) -> bytes | None:
         """A header a direct get did not find, asked of the bucket's leader: a follower that has not yet replicated
         a header just written (a fork, then reading the child) answers "not found" (seen on a 3-node cluster).
-        Without a leader (no quorum) the follower's answer stands."""
-        bucket = self.settings.kv_sessions
+        Without a leader (no quorum) the follower's answer stands. A key holds one message (write-once headers)."""
         try:
-            msg = await self.js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{session_id}")
-        except (KeyNotFoundError, NotFoundError):
+            raw = await self._headers_reader.leader_get(
+                seq=1, next_by_subj=f"$KV.{self.settings.kv_sessions}.{session_id}"
+            )
+        except LogUnavailable:
             return None
-        except Exception as err:
-            if is_unavailable(err):
-                return None
-            raise
-        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+        if raw is None or raw.headers.get("KV-Operation") in ("DEL", "PURGE"):
             return None
-        return msg.data or None
+        return raw.data or None
 
     async def _session_ids(self) -> list[str]:
-        """The id of every session with a header: the header bucket read by direct gets (one message per key, its
-        history being 1), which any replica answers, so sessions can be listed without quorum."""
+        """The id of every session with a header, read by direct gets (which any replica answers), so sessions can
+        be listed without quorum."""
         prefix = f"$KV.{self.settings.kv_sessions}."
-        out: list[str] = []
-        start = 1
-        while True:
-            batch, pending = await self._headers_reader.direct_batch(f"{prefix}>", start)
-            out.extend(
-                m.subject[len(prefix) :]
-                for m in batch
-                if m.data and m.headers.get("KV-Operation") not in ("DEL", "PURGE")
-            )
-            if not batch or pending == 0:
-                return out
-            start = batch[-1].stream_seq + 1
+        headers = await self._headers_reader.latest_values(f"{prefix}>")
+        return [subject[len(prefix) :] for subject, data in headers.items() if data]
 
     async def _publish_header(self, session_id: str, header_raw: bytes) -> None:
         try:

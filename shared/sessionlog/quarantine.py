@@ -55,20 +55,10 @@ async def entries(nc: Client, bucket: str, *, projection: str | None = None, tim
     Read by batch direct gets on the bucket's stream: no consumer to create (a projection's NATS user may not),
     and any replica answers, so the list reads without quorum too."""
     prefix = f"$KV.{bucket}."
-    reader = StreamReader(nc, f"KV_{bucket}", timeout=timeout)
-    latest: dict[str, bytes] = {}  # key -> its last value; a delete or purge marker removes it
-    start = 1
-    while True:
-        batch, pending = await reader.direct_batch(f"{prefix}{projection or '*'}.quarantine.*", start)
-        for msg in batch:
-            name = msg.subject[len(prefix) :]
-            if msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
-                latest.pop(name, None)
-            else:
-                latest[name] = msg.data
-        if not batch or pending == 0:
-            break
-        start = batch[-1].stream_seq + 1
+    found = await StreamReader(nc, f"KV_{bucket}", timeout=timeout).latest_values(
+        f"{prefix}{projection or '*'}.quarantine.*"
+    )
+    latest = {subject[len(prefix) :]: value for subject, value in found.items()}
     out: list[Quarantined] = []
     for name, value in latest.items():
         owner, _, _ = name.partition(".quarantine.")

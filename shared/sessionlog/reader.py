@@ -88,6 +88,23 @@ class StreamReader:
             await sub.unsubscribe()
         return out, pending
 
+    async def latest_values(self, subject_filter: str) -> dict[str, bytes]:
+        """The last message of each subject matching the filter (the current entries of a KV bucket, read on its
+        stream), by batch direct gets: no consumer to create, and any replica answers, so it reads without quorum.
+        A subject whose last message is a delete or purge marker is left out."""
+        latest: dict[str, bytes] = {}
+        start = 1
+        while True:
+            batch, pending = await self.direct_batch(subject_filter, start)
+            for msg in batch:
+                if msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
+                    latest.pop(msg.subject, None)
+                else:
+                    latest[msg.subject] = msg.data
+            if not batch or pending == 0:
+                return latest
+            start = batch[-1].stream_seq + 1
+
     @translates_unavailable("read stream {self._stream} from its leader")
     async def leader_get(self, *, seq: int | None = None, next_by_subj: str | None = None) -> RawMessage | None:
         """One message from the stream leader (never stale), or None when nothing matches."""

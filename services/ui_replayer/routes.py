@@ -216,13 +216,7 @@ class UIRoutes:
         session_id = request.path_params["session_id"]
         await self.ui.header(session_id)
         state = await self.ui.state(session_id)
-        return _json(
-            {
-                "requests": [views._request_dict(r) for r in state.requests()],
-                "compactions": views.compactions_of(state.session, state.replaces),
-                "events": len(state.session),
-            }
-        )
+        return _json(views.requests_view(state.session, state.requests(), state.replaces))
 
     async def _api_lineage(self, request: Request) -> Response:
         session_id = request.path_params["session_id"]

@@ -30,7 +30,7 @@ _TOOL_DELTA: Final = "tool-call-delta"
 # ---------------------------------------------------------------------------------------------- unpacking
 
 
-class ChunkRowData(Struct, gc=False):
+class _RowData(Struct, gc=False):
     turn: int
     step: int
     index: int
@@ -43,7 +43,7 @@ class ChunkRowData(Struct, gc=False):
 
 class ChunkRow(Struct, gc=False):
     type: str
-    data: ChunkRowData
+    data: _RowData
     seq0: int | UnsetType = UNSET
     time0: int | UnsetType = UNSET
 

@@ -14,6 +14,8 @@ it) and grows with every takeover, so a record's `Sessionlog-Writer` header tell
 nats-py's KV `create(msg_ttl=...)` is not used: it writes `str(int(ttl))` (0.5 s silently becomes "no TTL") and
 its create does not treat a server marker as a deleted key. The writes here set the headers themselves.
 
+`LeaseKeeper` holds a writer's lease: it refreshes it in the background and tells the writer when it is lost.
+
 Note (2026-12): JetStream's per-message TTL counts whole seconds, at least 1 s ("500ms" is refused as an invalid
 TTL, "1500ms" is cut to 1 s). A lease TTL is therefore rounded up to whole seconds; sub-second leases do not
 exist, and tests use 1 s.

@@ -294,7 +294,7 @@ class SessionLog:
         created = now_ms()
         plan = plan_fork(session, at, now_ms=created)
         header_raw = plan.child_header(child_id=new_id, parent=decode_header(parent_raw), created_at=created).encode()
-        await self._write_new(new_id, plan.events, orphan)
+        await self.store.write_all(new_id, plan.events, orphan=orphan)
         await self.header_store.create(new_id, header_raw)
         return header_raw
 
@@ -308,7 +308,7 @@ class SessionLog:
         sid = check_session_id(session_id or log_file.header.id)
         Session(log_file.events)  # validate everything before anything is sent
         orphan = await self._require_absent(sid)
-        await self._write_new(sid, log_file.events, orphan)
+        await self.store.write_all(sid, log_file.events, orphan=orphan)
         await self.header_store.create(sid, header_raw)
         return sid, len(log_file.events)
 
@@ -320,20 +320,6 @@ class SessionLog:
         header, session, _ = await self.load(session_id)
         write_jsonl(path, header, [e.raw for e in session])
         return len(session)
-
-    async def _write_new(self, session_id: str, events: tuple[bytes, ...] | list[bytes], orphan: Record | None) -> None:
-        """Write a whole new log, continuing an unfinished earlier attempt when the records it left are exactly a
-        prefix of this log."""
-        start, last_stream_seq = 0, 0
-        if orphan is not None:
-            existing = await self.reader.events(session_id)
-            if existing != list(events[: len(existing)]):
-                raise SessionAlreadyExists(
-                    f"session {session_id} has {len(existing)} records' worth of other events from an unfinished "
-                    "import or fork"
-                )
-            start, last_stream_seq = len(existing), orphan.stream_seq
-        await self.store.write_all(session_id, events, start=start, last_stream_seq=last_stream_seq)
 
     @translates_unavailable("close the open turn of session {session_id}")
     async def close_turn(self, session_id: str) -> tuple[bytes, ...]:

@@ -42,7 +42,16 @@ from .errors import (
     SessionNotFound,
 )
 from .reader import StreamReader
-from .record import H_DIGEST, HEADER_ALLOWANCE, encode_payload, events_filter, in_subject, raw_subject, record_headers
+from .record import (
+    H_DIGEST,
+    HEADER_ALLOWANCE,
+    Record,
+    encode_payload,
+    events_filter,
+    in_subject,
+    raw_subject,
+    record_headers,
+)
 from .session import Session
 from .settings import Settings
 
@@ -130,12 +139,19 @@ class RecordStore:
         earlier tenure names an earlier record as the session's last, so JetStream refuses it from now on."""
         return await self.publish(session_id, [], first_seq, expected_last, open_turn, epoch=epoch)
 
-    async def write_all(
-        self, session_id: str, events: Sequence[bytes], *, start: int = 0, last_stream_seq: int = 0
-    ) -> None:
-        """Write a whole log from seq `start` on (an unfinished earlier write left `start` events, its last record
-        at `last_stream_seq`), in records cut by the batching rule; every event is size-checked before anything is
-        sent, so a refused write leaves nothing."""
+    async def write_all(self, session_id: str, events: Sequence[bytes], *, orphan: Record | None = None) -> None:
+        """Write a whole new log in records cut by the batching rule, every event size-checked before anything is
+        sent (a refused write leaves nothing). `orphan`, the last record an unfinished earlier write left (records,
+        no header), is continued when what it wrote is exactly a prefix of this log, else `SESSION_ALREADY_EXISTS`."""
+        start, last_stream_seq = 0, 0
+        if orphan is not None:
+            existing = await self._reader.events(session_id)
+            if existing != list(events[: len(existing)]):
+                raise SessionAlreadyExists(
+                    f"session {session_id} has {len(existing)} records' worth of other events from an unfinished "
+                    "import or fork"
+                )
+            start, last_stream_seq = len(existing), orphan.stream_seq
         for seq, raw in enumerate(events):
             self.check_size(raw, seq)
         probe = Session(list(events[:start])) if start else Session()

@@ -42,6 +42,8 @@ class _RowData(Struct, gc=False):
 
 
 class ChunkRow(Struct, gc=False):
+    """A packed row as read (`decode_row` checks that its members and `dt` agree)."""
+
     type: str
     data: _RowData
     seq0: int | UnsetType = UNSET

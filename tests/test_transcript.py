@@ -16,6 +16,7 @@ from hypothesis import given
 from sessiongen import SessionBuilder, generated_sessions, text_block, tool_call_block
 from test_fixtures_corpus import FIXTURE_FILES, FIXTURES_DIR, load_fixture, read_fixture
 
+from sessionlog.audit import audit_session
 from sessionlog.events import SURFACE_TYPES
 from sessionlog.repair import interrupted_turn_closers
 from sessionlog.session import Session
@@ -319,3 +320,24 @@ def test_coalesce_merges_deltas_and_keeps_only_the_last_version_of_an_entry() ->
     page_a.apply(updates)
     page_b.apply(merged)
     assert page_a.normalized() == page_b.normalized() == page_of(builder.snapshot())
+
+
+def test_a_stream_whose_block_end_differs_from_its_deltas_shows_what_the_auditor_assembles() -> None:
+    # The transcript showed the deltas ("Hel") and the audit the block-end block ("Hello"): one rule now, the
+    # block-end block once it exists (sessionlog.assembly), live and in the snapshot.
+    b = SessionBuilder()
+    b.turn_start()
+    b.user_message("Say hello.")
+    b.request_header()
+    b.step_start()
+    b.chunk({"type": "block-start", "index": 0, "blockType": "text"})
+    b.chunk({"type": "text-delta", "index": 0, "text": "Hel"})
+    b.chunk({"type": "block-end", "index": 0, "block": {"type": "text", "text": "Hello"}})
+    b.step_end()
+    b.turn_end({"kind": "aborted", "reason": {"kind": "user"}})
+    builder = TranscriptBuilder()
+    page = Page()
+    page.apply(builder.extend(b.session))
+    (stream,) = entries_of(builder.snapshot(), StreamEntry)
+    assert stream.blocks[0].text == "Hello" == audit_session(b.session).step_report(1, 1).text
+    assert page.normalized() == page_of(builder.snapshot())

@@ -1,4 +1,6 @@
-"""The transcript as the user saw it: a pure model of a session's log for people (the UI, the CLI).
+"""The transcript as the user saw it: a pure model of a session's log for people. This module builds it; the
+entries are `sessionlog.transcript_model`'s (re-exported here). The UI's page and `sessionlog transcript` (its
+plain text, `transcript_plain`) read the same transcript.
 
 The durable source is the append-origin events (SPEC section 1). Around them the transcript adds what a reader
 needs to follow the session: turn starts and outcomes (completed, aborted and by whom, error, max-tokens,
@@ -21,19 +23,22 @@ Decisions (2026-12):
 - A step may hold several attempts (a retried request): a `finish` chunk or an `llm/retry` event closes the
   current attempt, and the next chunk opens another. An `assistant/message` takes the step's latest attempt that
   no message has taken; earlier attempts stay in the transcript as failed or retried responses.
-- A streamed block shows its deltas; a block with no deltas shows its `block-end` block.
+- A streamed block shows its deltas while it streams and its `block-end` block once it has one: one rule, in
+  `sessionlog.assembly`, shared with the audit (it showed the deltas until 2026-12-03, so a retried response whose
+  recorder rewrote the final block showed other text here than in `sessionlog replay`).
 - Plugin context messages (`user/message` whose source is a plugin) are kept with their source, so the page can
   fold them away; nothing is dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Final
 
 import msgspec
 from msgspec import UNSET, Struct
 
+from .assembly import StreamAssembly, StreamBlock
 from .events import (
     Aborted,
     AssistantMessageData,
@@ -42,255 +47,71 @@ from .events import (
     Errored,
     Event,
     FinishChunk,
-    ImageBlock,
     Message,
-    ReasoningBlock,
     ReasoningDeltaChunk,
-    TextBlock,
     TextDeltaChunk,
-    ToolCallBlock,
     ToolCallDeltaChunk,
-    ToolResultBlock,
     ToolResultData,
     data_bytes,
 )
 from .jsonl import SessionHeader, decode_header
-from .session import TOOL_NOT_STARTED, TOOL_OUTCOME_UNKNOWN, Session
-
-SYNTHETIC_CODES: Final = frozenset({TOOL_OUTCOME_UNKNOWN, TOOL_NOT_STARTED})
-INTERRUPTED_RESULT_PREFIX: Final = "interrupted-tool-result-"
-
-# ---------------------------------------------------------------------------------------------- the model
-
-
-class ShownBlock(Struct, frozen=True, omit_defaults=True):
-    """One content block as a reader sees it. `type` is the SPEC block type."""
-
-    type: str
-    text: str = ""
-    id: str | None = None  # tool-call id
-    name: str | None = None  # tool name
-    tool_call_id: str | None = None  # tool-result: the call it answers
-    is_error: bool = False
-    attachment: str | None = None  # image: the attachment id
-
-
-class _Entry(Struct, frozen=True, tag_field="kind"):
-    key: str
-    seq: int
-    last: int
-    time: int | None = None
-
-
-class TurnStartEntry(_Entry, frozen=True, tag="turn-start"):
-    turn: int = 0
-
-
-class MessageEntry(_Entry, frozen=True, tag="message"):
-    """An append-origin surface event: a user, assistant or tool message exactly as it was appended."""
-
-    event_type: str = ""
-    role: str = ""
-    source: str = ""  # source kind: user, model, tool, plugin, ...
-    plugin: str | None = None
-    provider: str | None = None
-    model: str | None = None
-    turn: int | None = None
-    step: int | None = None
-    blocks: tuple[ShownBlock, ...] = ()
-    interrupted: bool = False  # a partial assistant message (cancelled mid-stream)
-    synthetic: str | None = None  # a closer's tool result: TOOL_OUTCOME_UNKNOWN or TOOL_NOT_STARTED
-    error: str | None = None  # a tool/result's error code
-    replaces: str | None = None  # the key of the stream entry this message completes
+from .session import Session
+from .transcript_model import (
+    INTERRUPTED_RESULT_PREFIX,
+    SYNTHETIC_CODES,
+    CompactionEntry,
+    DeltaUpdate,
+    Entry,
+    EntryUpdate,
+    ForkInfo,
+    LoggedEntry,
+    MessageEntry,
+    NoteEntry,
+    SeedEntry,
+    ShownBlock,
+    StreamEntry,
+    Transcript,
+    TurnEndEntry,
+    TurnStartEntry,
+    Update,
+    coalesce,
+    entry_json,
+    entry_line,
+    fork_info,
+    logged_entries,
+    shown_blocks,
+    transcript_json,
+    transcript_plain,
+)
 
 
-class StreamEntry(_Entry, frozen=True, tag="stream"):
-    """A response as it streamed, before (or without) its assistant/message."""
-
-    turn: int = 0
-    step: int = 0
-    blocks: tuple[ShownBlock, ...] = ()
-    state: str = "streaming"  # streaming | finished | failed | retried | cut (the step ended without a message)
-    finish: str | None = None
-    error: str | None = None
-
-
-class CompactionEntry(_Entry, frozen=True, tag="compaction"):
-    """A surface replacement: what the model now sees instead of events `first`..`through`, which stay visible."""
-
-    event_type: str = ""
-    first: int = 0
-    through: int = 0
-    covered: tuple[int, ...] = ()
-    summary: tuple[ShownBlock, ...] = ()
+def _shown(block: StreamBlock) -> ShownBlock:
+    """A streamed block for a reader, by the one rule (`sessionlog.assembly`): its block-end block once it has one,
+    else its deltas joined."""
+    if block.end is not None:
+        shown = shown_blocks((block.end,))
+        if shown:
+            return shown[0]
+    text = "".join(block.parts)
+    if block.type == "tool-call":
+        return ShownBlock(type="tool-call", text=text, id=block.id, name=block.name or None)
+    return ShownBlock(type=block.type, text=text)
 
 
-class TurnEndEntry(_Entry, frozen=True, tag="turn-end"):
-    turn: int = 0
-    outcome: str = ""  # completed | aborted | blocked | error | max-tokens | interrupted
-    detail: str = ""
+class _Stream(StreamAssembly):
+    """One attempt of a step, assembled chunk by chunk."""
 
-
-class SeedEntry(_Entry, frozen=True, tag="seed"):
-    """`session/end-seed`: the inherited (forked or resumed) prefix ends here."""
-
-
-class NoteEntry(_Entry, frozen=True, tag="note"):
-    """A plugin event worth a line (a retried request)."""
-
-    text: str = ""
-
-
-Entry = TurnStartEntry | MessageEntry | StreamEntry | CompactionEntry | TurnEndEntry | SeedEntry | NoteEntry
-
-
-class ForkInfo(Struct, frozen=True, omit_defaults=True):
-    """Where a session came from: its parent and the seed boundary (the last inherited event is `seed_length-1`)."""
-
-    parent: str
-    seed_length: int | None = None
-
-
-class Transcript(Struct, frozen=True, omit_defaults=True):
-    session: str
-    title: str | None
-    fork: ForkInfo | None
-    next_seq: int  # the seq the next event of the log will have
-    open_turn: int | None
-    entries: tuple[Entry, ...]
-
-    def since(self, from_seq: int) -> tuple[Entry, ...]:
-        """Entries a reader that has seen everything before `from_seq` does not know yet."""
-        return tuple(e for e in self.entries if e.last >= from_seq)
-
-
-class EntryUpdate(Struct, frozen=True, tag="entry", tag_field="update"):
-    """A new entry, or a new version of the entry with the same key."""
-
-    seq: int
-    entry: Entry
-
-
-class DeltaUpdate(Struct, frozen=True, tag="delta", tag_field="update", omit_defaults=True):
-    """Text appended to block `index` of stream entry `key` (a new block when `index` is new)."""
-
-    seq: int
-    key: str
-    index: int
-    block: str
-    text: str
-    name: str | None = None  # tool-call deltas: the tool's name and the call id, as the stream gives them
-    id: str | None = None
-
-
-Update = EntryUpdate | DeltaUpdate
-
-
-def coalesce(updates: Sequence[Update]) -> list[Update]:
-    """Fewer updates, same result: an entry sent again later in the batch is sent once (in the place of its last
-    version, which already holds every earlier delta), and runs of deltas to one block merge into one."""
-    last_full: dict[str, int] = {}
-    for i, update in enumerate(updates):
-        if isinstance(update, EntryUpdate):
-            last_full[update.entry.key] = i
-    out: list[Update] = []
-    for i, update in enumerate(updates):
-        key = update.entry.key if isinstance(update, EntryUpdate) else update.key
-        if last_full.get(key, -1) > i:
-            continue
-        prev = out[-1] if out else None
-        if (
-            isinstance(update, DeltaUpdate)
-            and isinstance(prev, DeltaUpdate)
-            and prev.key == update.key
-            and prev.index == update.index
-            and prev.block == update.block
-        ):
-            out[-1] = DeltaUpdate(
-                seq=update.seq,
-                key=prev.key,
-                index=prev.index,
-                block=prev.block,
-                text=prev.text + update.text,
-                name=prev.name or update.name,
-                id=prev.id or update.id,
-            )
-        else:
-            out.append(update)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- building
-
-
-def shown_blocks(blocks: Iterable[Any]) -> tuple[ShownBlock, ...]:
-    """Content blocks (typed Structs of `events`) as reader blocks."""
-    out: list[ShownBlock] = []
-    for block in blocks:
-        if isinstance(block, TextBlock):
-            out.append(ShownBlock(type="text", text=block.text))
-        elif isinstance(block, ReasoningBlock):
-            out.append(ShownBlock(type="reasoning", text=block.text))
-        elif isinstance(block, ToolCallBlock):
-            out.append(ShownBlock(type="tool-call", text=block.arguments, id=block.id, name=block.name))
-        elif isinstance(block, ToolResultBlock):
-            text = "".join(b.text for b in block.content if isinstance(b, TextBlock))
-            images = [b for b in block.content if isinstance(b, ImageBlock)]
-            if images:
-                text += "".join(f"[image {_attachment_id(b)}]" for b in images)
-            out.append(
-                ShownBlock(
-                    type="tool-result", text=text, tool_call_id=block.tool_call_id, is_error=block.is_error is True
-                )
-            )
-        elif isinstance(block, ImageBlock):
-            out.append(ShownBlock(type="image", attachment=_attachment_id(block)))
-    return tuple(out)
-
-
-def _attachment_id(block: ImageBlock) -> str:
-    attachment = block.attachment
-    for key in ("attachmentId", "id", "name", "uri"):
-        value = attachment.get(key)
-        if isinstance(value, str):
-            return value
-    return "?"
-
-
-class _Block:
-    __slots__ = ("end", "id", "name", "parts", "type")
-
-    def __init__(self, block_type: str) -> None:
-        self.type = block_type
-        self.parts: list[str] = []
-        self.id: str | None = None
-        self.name: str | None = None
-        self.end: ShownBlock | None = None
-
-    def shown(self) -> ShownBlock:
-        if not self.parts and self.end is not None:
-            return self.end
-        text = "".join(self.parts)
-        if self.type == "tool-call":
-            return ShownBlock(type="tool-call", text=text, id=self.id, name=self.name)
-        return ShownBlock(type=self.type, text=text)
-
-
-class _Stream:
-    """One attempt of a step, accumulated chunk by chunk."""
-
-    __slots__ = ("blocks", "error", "finish", "key", "last", "seq", "state", "step", "taken", "time", "turn")
+    __slots__ = ("error", "key", "last", "seq", "state", "step", "taken", "time", "turn")
 
     def __init__(self, event: Event) -> None:
+        super().__init__()
         self.seq = event.seq
         self.key = f"s{event.seq}"
         self.last = event.seq
         self.time = event.time
         self.turn: int = event.data.turn
         self.step: int = event.data.step
-        self.blocks: dict[int, _Block] = {}
         self.state = "streaming"
-        self.finish: str | None = None
         self.error: str | None = None
         self.taken = False  # an assistant/message completed it
 
@@ -306,7 +127,7 @@ class _Stream:
             time=self.time,
             turn=self.turn,
             step=self.step,
-            blocks=tuple(self.blocks[i].shown() for i in sorted(self.blocks)),
+            blocks=tuple(_shown(self.blocks[i]) for i in sorted(self.blocks)),
             state=self.state,
             finish=self.finish,
             error=self.error,
@@ -425,25 +246,19 @@ class TranscriptBuilder:
             created = []
         stream.last = event.seq
         chunk = data.chunk
-        if isinstance(chunk, (TextDeltaChunk, ReasoningDeltaChunk)):
-            block = stream.blocks.get(chunk.index)
-            block_type = "text" if isinstance(chunk, TextDeltaChunk) else "reasoning"
-            if block is None:
-                block = stream.blocks[chunk.index] = _Block(block_type)
-            block.parts.append(chunk.text)
+        before = None  # a block-end may rewrite what the deltas showed: then the entry is sent again
+        if type(chunk) is BlockEndChunk and chunk.index in stream.blocks:
+            before = _shown(stream.blocks[chunk.index])
+        stream.take(chunk, event.seq)
+        kind = type(chunk)
+        if kind is TextDeltaChunk or kind is ReasoningDeltaChunk:
+            block_type = "text" if kind is TextDeltaChunk else "reasoning"
             return [
                 *created,
-                DeltaUpdate(seq=event.seq, key=stream.key, index=chunk.index, block=block.type, text=chunk.text),
+                DeltaUpdate(seq=event.seq, key=stream.key, index=chunk.index, block=block_type, text=chunk.text),
             ]
-        if isinstance(chunk, ToolCallDeltaChunk):
-            block = stream.blocks.get(chunk.index)
-            if block is None:
-                block = stream.blocks[chunk.index] = _Block("tool-call")
-            block.id = chunk.id
+        if kind is ToolCallDeltaChunk:
             name = chunk.name if chunk.name is not UNSET else None
-            if name is not None and block.name is None:
-                block.name = name
-            block.parts.append(chunk.arguments_delta)
             return [
                 *created,
                 DeltaUpdate(
@@ -456,25 +271,16 @@ class TranscriptBuilder:
                     name=name,
                 ),
             ]
-        if isinstance(chunk, BlockStartChunk):
-            if chunk.index not in stream.blocks:
-                stream.blocks[chunk.index] = _Block(chunk.block_type)
+        if kind is BlockStartChunk:
             return [
                 *created,
                 DeltaUpdate(seq=event.seq, key=stream.key, index=chunk.index, block=chunk.block_type, text=""),
             ]
-        if isinstance(chunk, BlockEndChunk):
-            shown = shown_blocks((chunk.block,))
-            block = stream.blocks.get(chunk.index)
-            if block is None:
-                block = stream.blocks[chunk.index] = _Block(shown[0].type if shown else "text")
-            if shown:
-                block.end = shown[0]
-            if block.parts or not shown:
-                return created
-            return [*created, self._stream_update(stream, event.seq)]  # a block that arrived whole
-        if isinstance(chunk, FinishChunk):
-            stream.finish = chunk.reason.kind
+        if kind is BlockEndChunk:
+            if before == _shown(stream.blocks[chunk.index]):
+                return created  # the deltas already showed it
+            return [*created, self._stream_update(stream, event.seq)]  # a block that arrived whole, or was rewritten
+        if kind is FinishChunk:
             if chunk.reason.kind == "error":
                 stream.state = "failed"
                 stream.error = _failure_text(event)
@@ -671,17 +477,6 @@ def _failure_text(event: Event) -> str:
     return f"{text} [{code}]" if isinstance(code, str) else text
 
 
-def fork_info(header: SessionHeader | bytes | None) -> ForkInfo | None:
-    if header is None:
-        return None
-    if isinstance(header, bytes):
-        header = decode_header(header)
-    if not isinstance(header.parent_session, str):
-        return None
-    seed = header.seed_length if isinstance(header.seed_length, int) else None
-    return ForkInfo(parent=header.parent_session, seed_length=seed)
-
-
 def build_transcript(
     session: Session, header: SessionHeader | bytes | None = None, *, session_id: str = ""
 ) -> Transcript:
@@ -694,73 +489,13 @@ def build_transcript(
     return builder.snapshot(header)
 
 
-# ---------------------------------------------------------------------------------------------- plain text
-
-
-def _block_line(block: ShownBlock) -> str:
-    if block.type == "text":
-        return block.text
-    if block.type == "reasoning":
-        return f"(thinking) {block.text}"
-    if block.type == "tool-call":
-        return f"-> {block.name}({block.text})  [call {block.id}]"
-    if block.type == "tool-result":
-        flag = " (error)" if block.is_error else ""
-        return f"result{flag} [call {block.tool_call_id}]: {block.text}"
-    if block.type == "image":
-        return f"[image {block.attachment}]"
-    return block.text
-
-
-def entry_line(entry: Entry) -> str:
-    """One entry as plain text (what the CLI prints)."""
-    if isinstance(entry, TurnStartEntry):
-        return f"--- turn {entry.turn} ---"
-    if isinstance(entry, TurnEndEntry):
-        detail = f": {entry.detail}" if entry.detail else ""
-        return f"--- turn {entry.turn} {entry.outcome}{detail} ---"
-    if isinstance(entry, SeedEntry):
-        return f"[{entry.seq}] (inherited history ends here)"
-    if isinstance(entry, NoteEntry):
-        return f"[{entry.seq}] ({entry.text})"
-    if isinstance(entry, CompactionEntry):
-        return f"[{entry.seq}] (summarised for the model: events {entry.first}-{entry.through})"
-    if isinstance(entry, StreamEntry):
-        text = " | ".join(_block_line(b) for b in entry.blocks)
-        why = f" {entry.error}" if entry.error else ""
-        return f"[{entry.seq}] assistant ({entry.state}{why}): {text}"
-    who = entry.role if entry.source != "plugin" else f"{entry.role} (plugin {entry.plugin})"
-    flags = " (interrupted)" if entry.interrupted else ""
-    flags += f" (synthetic {entry.synthetic})" if entry.synthetic else ""
-    return "\n".join(f"[{entry.seq}] {who}{flags}: {_block_line(b)}" for b in entry.blocks) or f"[{entry.seq}] {who}"
-
-
-def transcript_plain(transcript: Transcript) -> str:
-    lines: list[str] = []
-    if transcript.fork is not None:
-        seed = f" (seed length {transcript.fork.seed_length})" if transcript.fork.seed_length is not None else ""
-        lines.append(f"forked from {transcript.fork.parent}{seed}")
-    lines.extend(entry_line(e) for e in transcript.entries)
-    return "".join(line + "\n" for line in lines)
-
-
-_encoder: Final = msgspec.json.Encoder()
-
-
-def entry_json(entry: Entry) -> bytes:
-    return _encoder.encode(entry)
-
-
-def transcript_json(transcript: Transcript) -> bytes:
-    return _encoder.encode(transcript)
-
-
 __all__ = [
     "CompactionEntry",
     "DeltaUpdate",
     "Entry",
     "EntryUpdate",
     "ForkInfo",
+    "LoggedEntry",
     "MessageEntry",
     "NoteEntry",
     "SeedEntry",
@@ -776,6 +511,7 @@ __all__ = [
     "entry_json",
     "entry_line",
     "fork_info",
+    "logged_entries",
     "shown_blocks",
     "transcript_json",
     "transcript_plain",

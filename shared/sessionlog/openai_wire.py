@@ -152,12 +152,13 @@ request_decoder: Final = msgspec.json.Decoder(ChatRequest)
 def usage_of(usage: Any) -> dict[str, int] | None:
     """The logged Usage (SPEC 3) of an OpenAI `usage` object (a `ChatUsage` or its JSON form), or None when it
     gives no token counts."""
-    if not isinstance(usage, ChatUsage):
-        try:
-            usage = msgspec.convert(usage, ChatUsage)
-        except msgspec.ValidationError:
-            return None
-    return usage.logged()
+    if isinstance(usage, ChatUsage):
+        return usage.logged()
+    try:
+        typed: ChatUsage = msgspec.convert(usage, ChatUsage)
+    except msgspec.ValidationError:
+        return None
+    return typed.logged()
 
 
 def error_text(error: ChatError | str | None, *, code: bool = True) -> str | None:

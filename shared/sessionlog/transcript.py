@@ -87,15 +87,14 @@ from .transcript_model import (
 
 def _shown(block: StreamBlock) -> ShownBlock:
     """A streamed block for a reader, by the one rule (`sessionlog.assembly`): its block-end block once it has one,
-    else its deltas joined."""
-    if block.end is not None:
-        shown = shown_blocks((block.end,))
-        if shown:
-            return shown[0]
-    text = "".join(block.parts)
-    if block.type == "tool-call":
-        return ShownBlock(type="tool-call", text=text, id=block.id, name=block.name or None)
-    return ShownBlock(type=block.type, text=text)
+    else its deltas joined (a block of a type deltas cannot build keeps its type, with the text)."""
+    shown = shown_blocks((block.assembled(),))
+    if shown and (block.end is not None or block.type in _DELTA_TYPES):
+        return shown[0]
+    return ShownBlock(type=block.type, text="".join(block.parts))
+
+
+_DELTA_TYPES: Final = frozenset({"text", "reasoning", "tool-call"})
 
 
 class _Stream(StreamAssembly):

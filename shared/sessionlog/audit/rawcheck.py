@@ -27,7 +27,7 @@ class RawMatcher:
     """Pairs raw exchanges with the attempts of `steps` (in any order relative to the log) and checks each pair."""
 
     def __init__(
-        self, steps: Mapping[tuple[int, int], Step], findings: Findings, ledger: TokenLedger, aliases: Mapping[str, str]
+        self, steps: dict[tuple[int, int], Step], findings: Findings, ledger: TokenLedger, aliases: Mapping[str, str]
     ) -> None:
         self.steps = steps
         self.findings = findings

@@ -341,3 +341,25 @@ def test_a_stream_whose_block_end_differs_from_its_deltas_shows_what_the_auditor
     (stream,) = entries_of(builder.snapshot(), StreamEntry)
     assert stream.blocks[0].text == "Hello" == audit_session(b.session).step_report(1, 1).text
     assert page.normalized() == page_of(builder.snapshot())
+
+
+def test_a_stream_that_a_retry_splits_between_blocks_pages_as_its_snapshot() -> None:
+    # After an llm/retry the next chunk (block 2) opens a new stream holding only that block: its deltas named chunk
+    # index 2, which a page took as a third position while the snapshot lists the block first (Hypothesis found it).
+    b = SessionBuilder()
+    b.turn_start()
+    b.user_message("Go.")
+    b.request_header()
+    b.step_start()
+    b.chunk({"type": "block-start", "index": 0, "blockType": "text"})
+    b.chunk({"type": "text-delta", "index": 0, "text": "one"})
+    b.emit("llm/retry", {"attempt": 1, "delayMs": 250})
+    b.chunk({"type": "text-delta", "index": 2, "text": "two"})
+    b.chunk({"type": "reasoning-delta", "index": 1, "text": "hmm"})
+    b.chunk({"type": "text-delta", "index": 2, "text": " three"})
+    builder = TranscriptBuilder()
+    page = Page()
+    page.apply(builder.extend(b.session))
+    assert page.normalized() == page_of(builder.snapshot())
+    streams = entries_of(builder.snapshot(), StreamEntry)
+    assert [[x.text for x in s.blocks] for s in streams] == [["one"], ["hmm", "two three"]]

@@ -38,6 +38,7 @@ from typing import Any, Final
 import msgspec
 from msgspec import UNSET, Struct
 
+from . import transcript_model as tm
 from .assembly import StreamAssembly, StreamBlock
 from .events import (
     Aborted,
@@ -52,46 +53,21 @@ from .events import (
     TextDeltaChunk,
     ToolCallDeltaChunk,
     ToolResultData,
+    UsageChunk,
     data_bytes,
 )
 from .jsonl import SessionHeader, decode_header
 from .session import Session
-from .transcript_model import (
-    INTERRUPTED_RESULT_PREFIX,
-    SYNTHETIC_CODES,
-    CompactionEntry,
-    DeltaUpdate,
-    Entry,
-    EntryUpdate,
-    ForkInfo,
-    LoggedEntry,
-    MessageEntry,
-    NoteEntry,
-    SeedEntry,
-    ShownBlock,
-    StreamEntry,
-    Transcript,
-    TurnEndEntry,
-    TurnStartEntry,
-    Update,
-    coalesce,
-    entry_json,
-    entry_line,
-    fork_info,
-    logged_entries,
-    shown_blocks,
-    transcript_json,
-    transcript_plain,
-)
+from .transcript_model import *  # noqa: F403  (the model's names are this module's public names too)
 
 
-def _shown(block: StreamBlock) -> ShownBlock:
+def _shown(block: StreamBlock) -> tm.ShownBlock:
     """A streamed block for a reader, by the one rule (`sessionlog.assembly`): its block-end block once it has one,
     else its deltas joined (a block of a type deltas cannot build keeps its type, with the text)."""
-    shown = shown_blocks((block.assembled(),))
+    shown = tm.shown_blocks((block.assembled(),))
     if shown and (block.end is not None or block.type in _DELTA_TYPES):
         return shown[0]
-    return ShownBlock(type=block.type, text="".join(block.parts))
+    return tm.ShownBlock(type=block.type, text="".join(block.parts))
 
 
 _DELTA_TYPES: Final = frozenset({"text", "reasoning", "tool-call"})
@@ -100,7 +76,7 @@ _DELTA_TYPES: Final = frozenset({"text", "reasoning", "tool-call"})
 class _Stream(StreamAssembly):
     """One attempt of a step, assembled chunk by chunk."""
 
-    __slots__ = ("error", "key", "last", "seq", "state", "step", "taken", "time", "turn")
+    __slots__ = ("error", "key", "last", "positions", "seq", "state", "step", "taken", "time", "turn")
 
     def __init__(self, event: Event) -> None:
         super().__init__()
@@ -113,13 +89,26 @@ class _Stream(StreamAssembly):
         self.state = "streaming"
         self.error: str | None = None
         self.taken = False  # an assistant/message completed it
+        self.positions: dict[int, int] = {}  # chunk index -> the block's position in the entry (what updates name)
 
     @property
     def open(self) -> bool:
         return self.state == "streaming"
 
-    def entry(self) -> StreamEntry:
-        return StreamEntry(
+    def place(self, index: int) -> int | None:
+        """The position of block `index` in the entry's blocks; None when a new block lands before others (a
+        stream a retry split begins at a later index, and may go back): every later block moved."""
+        position = self.positions.get(index)
+        if position is not None:
+            return position
+        if self.positions and index < max(self.positions):
+            self.positions = {i: p for p, i in enumerate(sorted({*self.positions, index}))}
+            return None
+        position = self.positions[index] = len(self.positions)
+        return position
+
+    def entry(self) -> tm.StreamEntry:
+        return tm.StreamEntry(
             key=self.key,
             seq=self.seq,
             last=self.last,
@@ -155,26 +144,26 @@ class TranscriptBuilder:
         self.title: str | None = None
         self.next_seq = 0
         self.open_turn: int | None = None
-        self._entries: list[Entry | _Stream] = []
+        self._entries: list[tm.Entry | _Stream] = []
         self._streams: dict[tuple[int, int], list[_Stream]] = {}  # (turn, step) -> attempts of the open turn
         self._streaming: _Stream | None = None  # the attempt chunks currently go to
 
     # ------------------------------------------------------------------------------------------ reading
 
-    def snapshot(self, header: SessionHeader | bytes | None = None) -> Transcript:
+    def snapshot(self, header: SessionHeader | bytes | None = None) -> tm.Transcript:
         """The whole transcript now. Streams a message has completed are left out (the message stands in their
         place); every other entry is there."""
-        entries: list[Entry] = []
+        entries: list[tm.Entry] = []
         for item in self._entries:
             if isinstance(item, _Stream):
                 if not item.taken:
                     entries.append(item.entry())
             else:
                 entries.append(item)
-        return Transcript(
+        return tm.Transcript(
             session=self.session_id,
             title=self.title,
-            fork=fork_info(header),
+            fork=tm.fork_info(header),
             next_seq=self.next_seq,
             open_turn=self.open_turn,
             entries=tuple(entries),
@@ -185,13 +174,13 @@ class TranscriptBuilder:
 
     # ------------------------------------------------------------------------------------------ writing
 
-    def extend(self, events: Iterable[Event]) -> list[Update]:
-        out: list[Update] = []
+    def extend(self, events: Iterable[Event]) -> list[tm.Update]:
+        out: list[tm.Update] = []
         for event in events:
             out.extend(self.add(event))
         return out
 
-    def add(self, event: Event) -> list[Update]:
+    def add(self, event: Event) -> list[tm.Update]:
         """Take the next event of the log; return what changed."""
         self.next_seq = event.seq + 1
         kind = event.type
@@ -204,7 +193,7 @@ class TranscriptBuilder:
         if kind == "turn/start":
             self.open_turn = event.data.turn
             return self._push(
-                TurnStartEntry(
+                tm.TurnStartEntry(
                     key=f"e{event.seq}", seq=event.seq, last=event.seq, time=event.time, turn=event.data.turn
                 )
             )
@@ -214,7 +203,7 @@ class TranscriptBuilder:
         if kind == "step/end":
             return self._step_end(event)
         if kind == "session/end-seed":
-            return self._push(SeedEntry(key=f"e{event.seq}", seq=event.seq, last=event.seq, time=event.time))
+            return self._push(tm.SeedEntry(key=f"e{event.seq}", seq=event.seq, last=event.seq, time=event.time))
         if kind == "llm/retry":
             return self._retry(event)
         if kind == "session/title":
@@ -226,13 +215,13 @@ class TranscriptBuilder:
                 self.title = title
         return []
 
-    def _push(self, entry: Entry) -> list[Update]:
+    def _push(self, entry: tm.Entry) -> list[tm.Update]:
         self._entries.append(entry)
-        return [EntryUpdate(seq=entry.last, entry=entry)]
+        return [tm.EntryUpdate(seq=entry.last, entry=entry)]
 
     # ------------------------------------------------------------------------------------------ streams
 
-    def _chunk(self, event: Event) -> list[Update]:
+    def _chunk(self, event: Event) -> list[tm.Update]:
         data = event.data
         stream = self._streaming
         if stream is None or not stream.open or stream.turn != data.turn or stream.step != data.step:
@@ -240,7 +229,7 @@ class TranscriptBuilder:
             self._streaming = stream
             self._streams.setdefault((stream.turn, stream.step), []).append(stream)
             self._entries.append(stream)
-            created: list[Update] = [EntryUpdate(seq=event.seq, entry=stream.entry())]
+            created: list[tm.Update] = [tm.EntryUpdate(seq=event.seq, entry=stream.entry())]
         else:
             created = []
         stream.last = event.seq
@@ -250,20 +239,23 @@ class TranscriptBuilder:
             before = _shown(stream.blocks[chunk.index])
         stream.take(chunk, event.seq)
         kind = type(chunk)
+        position = stream.place(chunk.index) if kind is not UsageChunk and kind is not FinishChunk else -1
+        if position is None:
+            return [*created, self._stream_update(stream, event.seq)]
         if kind is TextDeltaChunk or kind is ReasoningDeltaChunk:
             block_type = "text" if kind is TextDeltaChunk else "reasoning"
             return [
                 *created,
-                DeltaUpdate(seq=event.seq, key=stream.key, index=chunk.index, block=block_type, text=chunk.text),
+                tm.DeltaUpdate(seq=event.seq, key=stream.key, index=position, block=block_type, text=chunk.text),
             ]
         if kind is ToolCallDeltaChunk:
             name = chunk.name if chunk.name is not UNSET else None
             return [
                 *created,
-                DeltaUpdate(
+                tm.DeltaUpdate(
                     seq=event.seq,
                     key=stream.key,
-                    index=chunk.index,
+                    index=position,
                     block="tool-call",
                     text=chunk.arguments_delta,
                     id=chunk.id,
@@ -273,7 +265,7 @@ class TranscriptBuilder:
         if kind is BlockStartChunk:
             return [
                 *created,
-                DeltaUpdate(seq=event.seq, key=stream.key, index=chunk.index, block=chunk.block_type, text=""),
+                tm.DeltaUpdate(seq=event.seq, key=stream.key, index=position, block=chunk.block_type, text=""),
             ]
         if kind is BlockEndChunk:
             if before == _shown(stream.blocks[chunk.index]):
@@ -288,8 +280,8 @@ class TranscriptBuilder:
             return [*created, self._stream_update(stream, event.seq)]
         return created  # usage: nothing to show while streaming
 
-    def _stream_update(self, stream: _Stream, seq: int) -> EntryUpdate:
-        return EntryUpdate(seq=seq, entry=stream.entry())
+    def _stream_update(self, stream: _Stream, seq: int) -> tm.EntryUpdate:
+        return tm.EntryUpdate(seq=seq, entry=stream.entry())
 
     def _take_stream(self, turn: int, step: int) -> _Stream | None:
         for stream in reversed(self._streams.get((turn, step), ())):
@@ -297,7 +289,7 @@ class TranscriptBuilder:
                 return stream
         return None
 
-    def _retry(self, event: Event) -> list[Update]:
+    def _retry(self, event: Event) -> list[tm.Update]:
         try:
             data = _retry_decoder.decode(data_bytes(event))
         except msgspec.DecodeError:
@@ -308,7 +300,7 @@ class TranscriptBuilder:
         count = f" {data.retry} of {data.maxRetries}" if data.retry is not None and data.maxRetries else ""
         why = f" after {code}" if isinstance(code, str) else ""
         text = f"retry{count}{why}" + (f": {message}" if isinstance(message, str) else "")
-        out: list[Update] = []
+        out: list[tm.Update] = []
         stream = self._streaming
         if stream is not None and not stream.taken and stream.state in ("streaming", "failed"):
             stream.state = "retried"
@@ -317,11 +309,11 @@ class TranscriptBuilder:
             self._streaming = None
         return [
             *out,
-            *self._push(NoteEntry(key=f"e{event.seq}", seq=event.seq, last=event.seq, time=event.time, text=text)),
+            *self._push(tm.NoteEntry(key=f"e{event.seq}", seq=event.seq, last=event.seq, time=event.time, text=text)),
         ]
 
-    def _step_end(self, event: Event) -> list[Update]:
-        out: list[Update] = []
+    def _step_end(self, event: Event) -> list[tm.Update]:
+        out: list[tm.Update] = []
         for stream in self._streams.get((event.data.turn, event.data.step), ()):
             if not stream.taken and stream.state == "streaming":
                 stream.state = "cut"
@@ -332,14 +324,14 @@ class TranscriptBuilder:
 
     # ------------------------------------------------------------------------------------------ messages
 
-    def _message(self, event: Event) -> list[Update]:
+    def _message(self, event: Event) -> list[tm.Update]:
         kind = event.type
         message: Message
         turn = step = None
         interrupted = False
         synthetic = error = None
         replaces: str | None = None
-        out: list[Update] = []
+        out: list[tm.Update] = []
         if kind == "user/message":
             message = event.data
         elif kind == "assistant/message":
@@ -357,11 +349,11 @@ class TranscriptBuilder:
             message, turn, step = result.message, result.turn, result.step
             if result.error is not UNSET:
                 error = result.error.code
-                if error in SYNTHETIC_CODES and message.id.startswith(INTERRUPTED_RESULT_PREFIX):
+                if error in tm.SYNTHETIC_CODES and message.id.startswith(tm.INTERRUPTED_RESULT_PREFIX):
                     synthetic = error
         source = message.source
         role = "tool" if kind == "tool/result" else message.role
-        entry = MessageEntry(
+        entry = tm.MessageEntry(
             key=f"e{event.seq}",
             seq=event.seq,
             last=event.seq,
@@ -374,7 +366,7 @@ class TranscriptBuilder:
             model=source.model if source.model is not UNSET else None,
             turn=turn,
             step=step,
-            blocks=shown_blocks(message.content),
+            blocks=tm.shown_blocks(message.content),
             interrupted=interrupted,
             synthetic=synthetic,
             error=error,
@@ -382,7 +374,7 @@ class TranscriptBuilder:
         )
         return [*out, *self._push(entry)]
 
-    def _turn_end(self, event: Event) -> list[Update]:
+    def _turn_end(self, event: Event) -> list[tm.Update]:
         reason = event.data.reason
         outcome = str(type(reason).__struct_config__.tag)
         detail = ""
@@ -408,7 +400,7 @@ class TranscriptBuilder:
             detail = "the response reached the token limit"
         elif outcome == "blocked":
             detail = "blocked"
-        out: list[Update] = []
+        out: list[tm.Update] = []
         for streams in self._streams.values():
             for stream in streams:
                 if not stream.taken and stream.state == "streaming":
@@ -417,7 +409,7 @@ class TranscriptBuilder:
                     out.append(self._stream_update(stream, event.seq))
         self._streams.clear()  # a message of a later turn never completes a stream of this one
         self._streaming = None
-        entry = TurnEndEntry(
+        entry = tm.TurnEndEntry(
             key=f"e{event.seq}",
             seq=event.seq,
             last=event.seq,
@@ -429,7 +421,7 @@ class TranscriptBuilder:
         return [*out, *self._push(entry)]
 
 
-def _compaction(event: Event) -> CompactionEntry:
+def _compaction(event: Event) -> tm.CompactionEntry:
     covered = tuple(sorted(event.source_event_seqs)) if isinstance(event.source_event_seqs, list) else ()
     op = event.surface_op
     first, through = (covered[0], covered[-1]) if covered else (op["start"], op["end"])
@@ -437,7 +429,7 @@ def _compaction(event: Event) -> CompactionEntry:
         message: Message = event.data
     else:
         message = event.data.message
-    return CompactionEntry(
+    return tm.CompactionEntry(
         key=f"e{event.seq}",
         seq=event.seq,
         last=event.seq,
@@ -446,7 +438,7 @@ def _compaction(event: Event) -> CompactionEntry:
         first=first,
         through=through,
         covered=covered,
-        summary=shown_blocks(message.content),
+        summary=tm.shown_blocks(message.content),
     )
 
 
@@ -478,7 +470,7 @@ def _failure_text(event: Event) -> str:
 
 def build_transcript(
     session: Session, header: SessionHeader | bytes | None = None, *, session_id: str = ""
-) -> Transcript:
+) -> tm.Transcript:
     """The transcript of a whole log (a pure function of its events and header)."""
     if not session_id and header is not None:
         session_id = (decode_header(header) if isinstance(header, bytes) else header).id
@@ -488,30 +480,4 @@ def build_transcript(
     return builder.snapshot(header)
 
 
-__all__ = [
-    "CompactionEntry",
-    "DeltaUpdate",
-    "Entry",
-    "EntryUpdate",
-    "ForkInfo",
-    "LoggedEntry",
-    "MessageEntry",
-    "NoteEntry",
-    "SeedEntry",
-    "ShownBlock",
-    "StreamEntry",
-    "Transcript",
-    "TranscriptBuilder",
-    "TurnEndEntry",
-    "TurnStartEntry",
-    "Update",
-    "build_transcript",
-    "coalesce",
-    "entry_json",
-    "entry_line",
-    "fork_info",
-    "logged_entries",
-    "shown_blocks",
-    "transcript_json",
-    "transcript_plain",
-]
+__all__ = [*tm.__all__, "TranscriptBuilder", "build_transcript"]

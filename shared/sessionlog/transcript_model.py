@@ -131,7 +131,9 @@ class EntryUpdate(Struct, frozen=True, tag="entry", tag_field="update"):
 
 
 class DeltaUpdate(Struct, frozen=True, tag="delta", tag_field="update", omit_defaults=True):
-    """Text appended to block `index` of stream entry `key` (a new block when `index` is new)."""
+    """Text appended to block `index` of stream entry `key` (a new block when `index` is new). `index` is the
+    block's position in the entry's `blocks`, not the chunk's index (a stream a retry split may begin at chunk
+    index 2: its first block is at position 0)."""
 
     seq: int
     key: str

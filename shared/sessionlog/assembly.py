@@ -98,17 +98,17 @@ class StreamAssembly:
             block = self.blocks[index] = StreamBlock(block_type)
         return block
 
-    def take(self, chunk: Any, seq: int = -1) -> StreamBlock | None:
-        """Apply one chunk (`seq` is its event's); return the block it touched (None for usage and finish)."""
+    def take(self, chunk: Any, seq: int = -1) -> None:
+        """Apply one chunk (`seq` is its event's)."""
         kind = type(chunk)
         if kind is TextDeltaChunk:
             if chunk.index == self.last_index:
                 self.last_parts.append(chunk.text)
-                return self.blocks[chunk.index]
+                return
             block = self.block(chunk.index, "text")
             block.parts.append(chunk.text)
             self.last_index, self.last_parts = chunk.index, block.parts
-            return block
+            return
         self.last_index = -1
         if kind is ReasoningDeltaChunk:
             block = self.block(chunk.index, "reasoning")
@@ -120,18 +120,15 @@ class StreamAssembly:
             if chunk.name is not UNSET and not block.name:
                 block.name = chunk.name
         elif kind is BlockStartChunk:
-            block = self.block(chunk.index, chunk.block_type)
+            self.block(chunk.index, chunk.block_type)
         elif kind is BlockEndChunk:
             block = self.block(chunk.index, block_type(chunk.block))
             block.end = chunk.block
             block.end_seq = seq
-        else:
-            if kind is UsageChunk:
-                self.usage = chunk.usage
-            elif kind is FinishChunk:
-                self.finish = chunk.reason.kind
-            return None
-        return block
+        elif kind is UsageChunk:
+            self.usage = chunk.usage
+        elif kind is FinishChunk:
+            self.finish = chunk.reason.kind
 
     def assembled(self) -> list[Any]:
         """Every block by the rule (see the module doc), in index order."""

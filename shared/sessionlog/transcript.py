@@ -239,9 +239,20 @@ class TranscriptBuilder:
             before = _shown(stream.blocks[chunk.index])
         stream.take(chunk, event.seq)
         kind = type(chunk)
-        position = stream.place(chunk.index) if kind is not UsageChunk and kind is not FinishChunk else -1
-        if position is None:
+        if kind is UsageChunk:
+            return created  # nothing to show while streaming
+        if kind is FinishChunk:
+            if chunk.reason.kind == "error":
+                stream.state = "failed"
+                stream.error = _failure_text(event)
+            else:
+                stream.state = "finished"
             return [*created, self._stream_update(stream, event.seq)]
+        position = stream.positions.get(chunk.index)
+        if position is None:
+            position = stream.place(chunk.index)
+            if position is None:
+                return [*created, self._stream_update(stream, event.seq)]
         if kind is TextDeltaChunk or kind is ReasoningDeltaChunk:
             block_type = "text" if kind is TextDeltaChunk else "reasoning"
             return [
@@ -271,14 +282,7 @@ class TranscriptBuilder:
             if before == _shown(stream.blocks[chunk.index]):
                 return created  # the deltas already showed it
             return [*created, self._stream_update(stream, event.seq)]  # a block that arrived whole, or was rewritten
-        if kind is FinishChunk:
-            if chunk.reason.kind == "error":
-                stream.state = "failed"
-                stream.error = _failure_text(event)
-            else:
-                stream.state = "finished"
-            return [*created, self._stream_update(stream, event.seq)]
-        return created  # usage: nothing to show while streaming
+        return created
 
     def _stream_update(self, stream: _Stream, seq: int) -> tm.EntryUpdate:
         return tm.EntryUpdate(seq=seq, entry=stream.entry())

@@ -1,10 +1,12 @@
 """An agent's model turns, logged event by event: the loop that talks to a model only through the gateway.
 
 `Agent` writes every event with a `SessionWriter` (turns, steps, the request header, every streamed chunk, the
-assembled assistant message, tool calls and results), flushes at the checkpoints (before every provider request
-and before every tool body, so a durable `tool/call` means the tool may have run), builds each request from its
-own log with `sessionlog.wire.to_wire`, and sends it with the OpenAI SDK, naming the session and the flushed seq
-in `X-Session-Id` / `X-Session-Seq`. The demo and `examples/agent_loop.py` both use it.
+assembled assistant message, tool calls and results), as the `events` Structs (`user_message`,
+`tool_result_message` and `model_message` build its messages), flushes at the checkpoints (before every provider
+request and before every tool body, so a durable `tool/call` means the tool may have run), builds each request from
+its own log with `sessionlog.wire.to_wire`, and sends it with the OpenAI SDK, naming the session and the flushed
+seq in `X-Session-Id` / `X-Session-Seq`. The SDK's chunks are decoded as `openai_wire.ChatCompletionChunk` and
+turned into dsh's chunks by `openai_wire.ResponseAssembler`. The demo and `examples/agent_loop.py` both use it.
 """
 
 from __future__ import annotations

@@ -324,12 +324,15 @@ class ResponseAssembler:
 
 
 class SseLines:
-    """Splits a byte stream into the JSON payloads of its SSE `data:` lines, across chunk boundaries."""
+    """Splits a byte stream into the JSON payloads of its SSE `data:` lines, across chunk boundaries: as plain JSON
+    values, or typed with `decoder` (`SseLines(chunk_decoder)` gives `ChatCompletionChunk`s for
+    `ResponseAssembler.take`; a payload that does not fit is skipped like one that is not JSON)."""
 
-    __slots__ = ("_rest", "done")
+    __slots__ = ("_decode", "_rest", "done")
 
-    def __init__(self) -> None:
+    def __init__(self, decoder: msgspec.json.Decoder[Any] | None = None) -> None:
         self._rest = b""
+        self._decode = decoder.decode if decoder is not None else msgspec.json.decode
         self.done = False  # `data: [DONE]` was seen
 
     def feed(self, data: bytes) -> list[Any]:
@@ -345,7 +348,7 @@ class SseLines:
                 self.done = True
             elif payload:
                 try:
-                    out.append(msgspec.json.decode(payload))
+                    out.append(self._decode(payload))
                 except msgspec.DecodeError:
                     continue  # not ours to judge: the audit compares the raw bytes
         return out

@@ -96,6 +96,21 @@ def page_of(transcript: Transcript) -> list[dict[str, Any]]:
     return [_normal(msgspec.json.decode(msgspec.json.encode(e))) for e in transcript.entries]
 
 
+def one_step(*chunks: dict[str, Any]) -> SessionBuilder:
+    """A turn with one step that has streamed `chunks` so far (`llm/retry` for a retry between them)."""
+    b = SessionBuilder()
+    b.turn_start()
+    b.user_message("Say hello.")
+    b.request_header()
+    b.step_start()
+    for chunk in chunks:
+        if chunk["type"] == "llm/retry":
+            b.emit("llm/retry", {"attempt": 1, "delayMs": 250})
+        else:
+            b.chunk(chunk)
+    return b
+
+
 # ---------------------------------------------------------------------------------------------- the corpus
 
 
@@ -292,13 +307,9 @@ def test_a_streaming_answer_is_a_stream_entry_until_its_message_replaces_it() ->
 
 
 def test_a_step_that_ends_without_its_message_leaves_a_cut_stream() -> None:
-    b = SessionBuilder()
-    b.turn_start()
-    b.user_message("Say hello.")
-    b.request_header()
-    b.step_start()
-    b.chunk({"type": "block-start", "index": 0, "blockType": "text"})
-    b.chunk({"type": "text-delta", "index": 0, "text": "Hel"})
+    b = one_step(
+        {"type": "block-start", "index": 0, "blockType": "text"}, {"type": "text-delta", "index": 0, "text": "Hel"}
+    )
     b.step_end()
     b.turn_end({"kind": "aborted", "reason": {"kind": "user"}})
     (stream,) = entries_of(build_transcript(b.session), StreamEntry)
@@ -325,14 +336,11 @@ def test_coalesce_merges_deltas_and_keeps_only_the_last_version_of_an_entry() ->
 def test_a_stream_whose_block_end_differs_from_its_deltas_shows_what_the_auditor_assembles() -> None:
     # The transcript showed the deltas ("Hel") and the audit the block-end block ("Hello"): one rule now, the
     # block-end block once it exists (sessionlog.assembly), live and in the snapshot.
-    b = SessionBuilder()
-    b.turn_start()
-    b.user_message("Say hello.")
-    b.request_header()
-    b.step_start()
-    b.chunk({"type": "block-start", "index": 0, "blockType": "text"})
-    b.chunk({"type": "text-delta", "index": 0, "text": "Hel"})
-    b.chunk({"type": "block-end", "index": 0, "block": {"type": "text", "text": "Hello"}})
+    b = one_step(
+        {"type": "block-start", "index": 0, "blockType": "text"},
+        {"type": "text-delta", "index": 0, "text": "Hel"},
+        {"type": "block-end", "index": 0, "block": {"type": "text", "text": "Hello"}},
+    )
     b.step_end()
     b.turn_end({"kind": "aborted", "reason": {"kind": "user"}})
     builder = TranscriptBuilder()
@@ -346,17 +354,14 @@ def test_a_stream_whose_block_end_differs_from_its_deltas_shows_what_the_auditor
 def test_a_stream_that_a_retry_splits_between_blocks_pages_as_its_snapshot() -> None:
     # After an llm/retry the next chunk (block 2) opens a new stream holding only that block: its deltas named chunk
     # index 2, which a page took as a third position while the snapshot lists the block first (Hypothesis found it).
-    b = SessionBuilder()
-    b.turn_start()
-    b.user_message("Go.")
-    b.request_header()
-    b.step_start()
-    b.chunk({"type": "block-start", "index": 0, "blockType": "text"})
-    b.chunk({"type": "text-delta", "index": 0, "text": "one"})
-    b.emit("llm/retry", {"attempt": 1, "delayMs": 250})
-    b.chunk({"type": "text-delta", "index": 2, "text": "two"})
-    b.chunk({"type": "reasoning-delta", "index": 1, "text": "hmm"})
-    b.chunk({"type": "text-delta", "index": 2, "text": " three"})
+    b = one_step(
+        {"type": "block-start", "index": 0, "blockType": "text"},
+        {"type": "text-delta", "index": 0, "text": "one"},
+        {"type": "llm/retry"},
+        {"type": "text-delta", "index": 2, "text": "two"},
+        {"type": "reasoning-delta", "index": 1, "text": "hmm"},
+        {"type": "text-delta", "index": 2, "text": " three"},
+    )
     builder = TranscriptBuilder()
     page = Page()
     page.apply(builder.extend(b.session))

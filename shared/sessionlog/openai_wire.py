@@ -89,16 +89,28 @@ class ToolCallDelta(Struct):
 
 
 class Delta(Struct):
+    """What a streamed delta adds; a completion's message (`ResponseMessage`) carries the same fields, whole."""
+
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChunkChoice(Struct):
+ResponseMessage = Delta
+
+
+class _Choice(Struct):
     index: int = 0
-    delta: Delta | None = None
     finish_reason: str | None = None
+
+
+class ChunkChoice(_Choice):
+    delta: Delta | None = None
+
+
+class Choice(_Choice):
+    message: ResponseMessage | None = None
 
 
 class ChatError(Struct):
@@ -106,35 +118,22 @@ class ChatError(Struct):
     code: str | int | None = None
 
 
-class ChatCompletionChunk(Struct):
+class _Response(Struct):
+    usage: ChatUsage | None = None
+    error: ChatError | str | None = None
+    model: str | None = None
+
+
+class ChatCompletionChunk(_Response):
     """One streamed chunk (an SSE `data:` payload)."""
 
     choices: list[ChunkChoice] | None = None
-    usage: ChatUsage | None = None
-    error: ChatError | str | None = None
-    model: str | None = None
 
 
-class ResponseMessage(Struct):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class Choice(Struct):
-    index: int = 0
-    message: ResponseMessage | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletion(Struct):
+class ChatCompletion(_Response):
     """A whole (non-streamed) response."""
 
     choices: list[Choice] | None = None
-    usage: ChatUsage | None = None
-    error: ChatError | str | None = None
-    model: str | None = None
 
 
 class ChatRequest(Struct):

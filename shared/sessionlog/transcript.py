@@ -56,7 +56,7 @@ from .events import (
     UsageChunk,
     data_bytes,
 )
-from .jsonl import SessionHeader, decode_header
+from .header import SessionHeader, decode_header
 from .session import Session
 from .transcript_model import *  # noqa: F403  (the model's names are this module's public names too)
 

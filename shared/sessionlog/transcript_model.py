@@ -13,7 +13,7 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from .events import ImageBlock, ReasoningBlock, TextBlock, ToolCallBlock, ToolResultBlock, data_bytes
-from .jsonl import SessionHeader, decode_header
+from .header import SessionHeader, decode_header
 from .session import TOOL_NOT_STARTED, TOOL_OUTCOME_UNKNOWN, Session
 
 SYNTHETIC_CODES: Final = frozenset({TOOL_OUTCOME_UNKNOWN, TOOL_NOT_STARTED})

@@ -33,7 +33,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, TypeVar
 
-import httpx
 import msgspec
 import nats.errors
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -69,6 +68,8 @@ from sessionlog.wire import (
 
 from .config import GatewayConfig
 from .derivation import ContextDeriverClient, Derivation, DerivationSource, StreamSource
+from .http1 import ConnectionPool, UpstreamIOError
+from .http1 import Response as UpstreamResponse
 from .metrics import GatewayMetrics
 from .record import Recorder
 from .tee import H_REQUEST_ID, RawTee
@@ -184,7 +185,7 @@ class Gateway:
         self._log = log
         self._owns_log = log is None
         self._source = source
-        self._http: httpx.AsyncHTTPTransport | None = None
+        self._http: ConnectionPool | None = None
         self._upstreams: dict[str, Upstream] = {}
         self._default: Upstream | None = None
         self._tee: RawTee | None = None
@@ -387,28 +388,8 @@ class Gateway:
 
     async def upstream_models(self) -> bytes:
         """The default provider's model list (`GET {base}/models`), as it answers it."""
-        assert self._http is not None and self._default is not None, "the gateway is not started"
-        config = self._default.config
-        url = httpx.URL(config.base_url.rstrip("/") + "/models")
-        headers = {"accept": "application/json", "accept-encoding": "identity"}
-        if config.api_key:
-            headers["authorization"] = f"Bearer {config.api_key}"
-        timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
-        try:
-            response = await self._http.handle_async_request(
-                httpx.Request("GET", url, headers=headers, extensions={"timeout": timeout.as_dict()})
-            )
-            data = await response.aread()
-            await response.aclose()
-        except httpx.HTTPError as exc:
-            raise stream_error(exc, self._default.name, config.timeout_s) from None
-        if response.status_code != 200:
-            raise UpstreamError(
-                upstream_error_message(response.status_code, data),
-                status=gateway_status_for(response.status_code),
-                upstream_status=response.status_code,
-            )
-        return data
+        assert self._default is not None, "the gateway is not started"
+        return await self._default.models()
 
     # ---------------------------------------------------------------------------------- forwarding
 
@@ -442,7 +423,7 @@ class Gateway:
         if response.status_code != 200:
             return await self._upstream_failed(request, call, upstream, response, request_entry, sent, observer)
         if call.stream:
-            return StreamingResponse(
+            return RelayResponse(
                 self._relay(call, upstream, response, request_entry, sent, observer),
                 media_type=response.headers.get("content-type", "text/event-stream"),
                 headers={**headers, "cache-control": "no-cache"},
@@ -456,7 +437,7 @@ class Gateway:
             if observer is not None:
                 await observer.ended("client_disconnected", 499)
             return Response(status_code=499)
-        except httpx.HTTPError as exc:
+        except UpstreamIOError as exc:
             failure = stream_error(exc, upstream.name, upstream.config.timeout_s)
             _close_later(response)
             self.metrics.upstream_errors.labels(failure.code).inc()
@@ -478,14 +459,14 @@ class Gateway:
         request: Request,
         call: _Call,
         upstream: Upstream,
-        response: httpx.Response,
+        response: UpstreamResponse,
         request_entry: tuple[str, bytes, Mapping[str, str]],
         sent: float,
         observer: Observer | None = None,
     ) -> Response:
         try:
             data = await _unless_disconnected(request, response.aread())
-        except (_ClientGone, httpx.HTTPError):
+        except (_ClientGone, UpstreamIOError):
             data = b""
         finally:
             _close_later(response)
@@ -514,7 +495,7 @@ class Gateway:
         self,
         call: _Call,
         upstream: Upstream,
-        response: httpx.Response,
+        response: UpstreamResponse,
         request_entry: tuple[str, bytes, Mapping[str, str]],
         sent: float,
         observer: Observer | None = None,
@@ -538,7 +519,7 @@ class Gateway:
             outcome = "client_disconnected"
             self.metrics.client_disconnects.inc()
             raise
-        except httpx.HTTPError as exc:
+        except UpstreamIOError as exc:
             err = stream_error(exc, upstream.name, upstream.config.timeout_s)
             outcome, code, message = "upstream_error", err.code, str(err)
             self.metrics.upstream_errors.labels(err.code).inc()
@@ -603,6 +584,33 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+class RelayResponse(StreamingResponse):
+    """A streamed answer relayed as it comes, stopped when the client disconnects.
+
+    Starlette's `StreamingResponse` watches for the disconnect in an anyio task group, which costs more per request
+    than the rest of the relay; here one plain task watches and cancels the relaying task (the relay's generator
+    then ends the exchange as `client_disconnected`)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        relaying = asyncio.current_task()
+        assert relaying is not None
+        gone = asyncio.ensure_future(_wait_disconnect_message(receive))
+        gone.add_done_callback(lambda task: task.cancelled() or relaying.cancel())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone.done() or gone.cancelled():
+                raise  # cancelled from elsewhere, not by the client's disconnect
+            relaying.uncancel()
+        finally:
+            gone.cancel()
+
+
+async def _wait_disconnect_message(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 def _request_id() -> str:
     return "req-" + uuid.uuid4().hex
 
@@ -619,17 +627,14 @@ def _min_seq(value: str | None) -> int | None:
     return None if seq == -1 else seq
 
 
-def _close_later(response: httpx.Response) -> None:
+def _close_later(response: UpstreamResponse) -> None:
     """Close an upstream response without awaiting here (this may run inside a cancelled task)."""
     task = asyncio.get_running_loop().create_task(response.aclose())
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+    await _wait_disconnect_message(request.receive)
 
 
 async def _unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:

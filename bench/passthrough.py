@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from services.gateway.app import RelayResponse
+from services.gateway.forward import RelayResponse
 from services.gateway.serving import run
 from services.gateway.upstream import Upstream, UpstreamConfig, upstream_transport
 from sessionlog.asgi import serve_until_cancelled

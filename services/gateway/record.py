@@ -62,6 +62,7 @@ from sessionlog.tasks import detach
 from sessionlog.wire import compare_request, parse_request, too_deep
 
 from .derivation import Derivation
+from .forward import Call, error_body, new_request_id, no_retry
 from .record_events import Exchange, write_plan
 from .record_plan import Known, Plan, Planner
 from .tenants import DEFAULT_TENANT
@@ -153,9 +154,7 @@ class Recorder:
     # ---------------------------------------------------------------------------------- endpoints
 
     async def models(self, request: Request) -> Response:
-        from .app import _no_retry, _request_id, error_body
-
-        request_id = _request_id()
+        request_id = new_request_id()
         try:
             self.gateway.tenants.tenant(request.headers)
             check_session_id(request.path_params["session_id"])
@@ -164,15 +163,13 @@ class Recorder:
             return JSONResponse(
                 error_body(err, request_id=request_id),
                 status_code=http_status(err),
-                headers=_no_retry(http_status(err)),
+                headers=no_retry(http_status(err)),
             )
         return Response(data, media_type="application/json")
 
     async def completions(self, request: Request) -> Response:
-        from .app import _Call, _request_id
-
         gateway = self.gateway
-        call = _Call(request_id=_request_id(), mode="record", session_id="")
+        call = Call(request_id=new_request_id(), mode="record", session_id="")
         held: _Held | None = None
         try:
             tenant = gateway.tenants.tenant(request.headers)
@@ -271,7 +268,7 @@ class Recorder:
 
     # ---------------------------------------------------------------------------------- the request
 
-    async def _log_request(self, call: Any, held: _Held, writer: SessionWriter, parsed: dict[str, Any]) -> Exchange:
+    async def _log_request(self, call: Call, held: _Held, writer: SessionWriter, parsed: dict[str, Any]) -> Exchange:
         plan = self.planner.plan(held.known, writer.session, parsed)
         # From here on events are queued: if one is refused (a rule the plan did not foresee), the writer is
         # abandoned before its queue is published, so the log keeps nothing of this request.
@@ -282,7 +279,7 @@ class Recorder:
         self.planner.remember(held.known, plan, writer.session)
         return self._exchange(call, held, writer, plan)
 
-    def _exchange(self, call: Any, held: _Held, writer: SessionWriter, plan: Plan) -> Exchange:
+    def _exchange(self, call: Call, held: _Held, writer: SessionWriter, plan: Plan) -> Exchange:
         session = writer.session
         header = session.fold_request_header()
         assert header is not None and session.open_step is not None

@@ -7,7 +7,6 @@ told of each relayed byte and of the end.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -332,19 +331,28 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
-    """Await `awaitable`, cancelling it (and raising `ClientGone`) if the client disconnects first."""
-    work = asyncio.ensure_future(awaitable)
+    """Await `awaitable` in this task, cancelling it (and raising `ClientGone`) if the client disconnects first. One
+    watching task cancels this one: cheaper than running the work in a task of its own and waiting on both."""
+    task = asyncio.current_task()
+    assert task is not None
+    watching = True
+
+    def disconnected(watcher: asyncio.Future[None]) -> bool:
+        return watcher.done() and not watcher.cancelled() and watcher.exception() is None
+
+    def on_watcher_done(watcher: asyncio.Future[None]) -> None:
+        if watching and disconnected(watcher):
+            task.cancel()
+
     watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher.add_done_callback(on_watcher_done)
     try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await awaitable
     except asyncio.CancelledError:
-        work.cancel()
+        # ours (the client left) unless another cancellation is pending too, which then goes on
+        if disconnected(watcher) and task.uncancel() == 0:
+            raise ClientGone from None
         raise
     finally:
+        watching = False
         watcher.cancel()
-    if work in done:
-        return work.result()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await work
-    raise ClientGone

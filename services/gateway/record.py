@@ -232,7 +232,7 @@ class Recorder:
         created only for a request whose plan against the empty session passes: a refused first request leaves
         nothing behind, not even an empty session."""
         writer = held.writer
-        if writer is not None and writer._failed is None:
+        if writer is not None and writer.failed is None:
             return writer
         if writer is not None:  # fenced: someone else wrote; start again from the log
             held.writer = None

@@ -105,6 +105,13 @@ async def test_a_body_that_is_not_a_request_object_is_invalid_request(
     assert code == "INVALID_REQUEST", message
 
 
+@pytest.mark.parametrize("payload", [b"not json", b"[1, 2]", b"null"])
+async def test_stats_takes_an_object_or_nothing(log: SessionLog, services: None, payload: bytes) -> None:
+    code, message = await refusal(log, contracts.STATS.subject, payload)
+    assert code == "INVALID_REQUEST", message
+    assert (await refusal(log, contracts.STATS.subject, b""))[0] is None
+
+
 async def test_the_declared_replies_carry_what_a_refusal_needs(log: SessionLog, session_id: str) -> None:
     derived = await ask(log.nc, contracts.DERIVE, contracts.DeriveRequest(session=session_id), timeout=WAIT_S)
     messages = msgspec.json.decode(derived.messages)

@@ -200,11 +200,11 @@ class Session:
         """Append each event in turn, exactly as `append` would; a refused event raises, and the events before it
         stay appended. A chunk that `_chunk_fits` (most of any log) is appended without the rest of the gate."""
         log = self._events
-        fits = self._chunk_fits
+        fits, keep = self._chunk_fits, log.append  # bound once: the loop runs once per event of a whole log
         for item in events:
-            event = item if isinstance(item, Event) else decode_event(item, len(log))
+            event = item if type(item) is Event else decode_event(item, len(log))  # type: ignore[arg-type]
             if event.type == "assistant/chunk" and fits(event):
-                log.append(event)  # a chunk commits nothing else
+                keep(event)  # a chunk commits nothing else
             else:
                 self._commit(event, self._check(event))
 

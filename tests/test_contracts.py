@@ -137,3 +137,27 @@ async def test_a_request_decodes_only_as_declared() -> None:
     # An empty body is `{}`; unknown keys are ignored, so an older service answers a newer client.
     assert contracts.STATS.decode_request(b"") == contracts.StatsRequest()
     assert contracts.CLOSE.decode_request(b'{"session": "s", "later": 1}') == contracts.SessionRequest("s")
+
+
+async def test_a_deriver_reply_outside_the_contract_sends_the_gateway_to_the_stream_for_a_while(
+    log: SessionLog, session_id: str
+) -> None:
+    from services.gateway.derivation import ContextDeriverClient, StreamSource
+
+    subject = "test.contracts.derive." + new_session_id("s")
+    asked: list[bytes] = []
+
+    async def older_deriver(msg: Any) -> None:  # answers without `open_step`, `seqs`, ...
+        asked.append(msg.data)
+        await msg.respond(json.dumps({"session": session_id, "seq": 0, "messages": []}).encode())
+
+    sub = await log.nc.subscribe(subject, cb=older_deriver)
+    try:
+        client = ContextDeriverClient(log.nc, StreamSource(log, wait_s=0.3), timeout_s=2.0, subject=subject)
+        first = await client.derive(session_id, None)
+        second = await client.derive(session_id, None)
+    finally:
+        await sub.unsubscribe()
+    assert first.source == second.source == "stream" and client.fallbacks == 2
+    assert len(asked) == 1, "the deriver is not asked again right after a reply that does not read"
+    assert first.header is not None and second.header is not None and first.header.seq == second.header.seq

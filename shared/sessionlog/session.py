@@ -7,14 +7,16 @@ A refused append changes nothing.
 
 Derived messages (SPEC section 5) are cached and extended as nodes are appended; a replace (a new generation)
 drops the cache, which is rebuilt from the stored per-node messages on the next call, never by re-decoding.
-Everything handed out is immutable: bytes, tuples and frozen Structs.
+Everything handed out is immutable: bytes, tuples and frozen Structs (`derived.py`).
+
+The rules live with what they are about: surface markers and ranges in `surface.py`, tool pairs in `toolpairs.py`,
+turns and steps in `structure.py`; this module runs them in order and commits.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Iterator
-from typing import Final
 
 from msgspec import UNSET
 
@@ -29,7 +31,7 @@ from .derived import (
 )
 from .errors import ProvenanceIncomplete, SeqNotContiguous, SurfaceMarkerForbidden, SurfaceMarkerRequired
 from .events import SURFACE_TYPES, Event, decode_event
-from .structure import COMMITTED_KINDS, TOOL_NOT_STARTED, Step, Structure
+from .structure import COMMITTED_KINDS, TOOL_NOT_STARTED, TOOL_OUTCOME_UNKNOWN, Step, Structure
 from .surface import ReplacePlan, Surface, parse_provenance, parse_surface_op
 from .toolpairs import ToolPairs, check_tool_result_replace
 
@@ -45,8 +47,6 @@ __all__ = [
     "messages_canonical",
     "messages_json",
 ]
-
-TOOL_OUTCOME_UNKNOWN: Final = "TOOL_OUTCOME_UNKNOWN"
 
 
 class Session:

@@ -13,6 +13,7 @@ from .events import STEP_SCOPED_TYPES, TURN_SCOPED_TYPES, Event, ToolCallBlock, 
 from .toolpairs import result_call_id
 
 TOOL_NOT_STARTED: Final = "TOOL_NOT_STARTED"
+TOOL_OUTCOME_UNKNOWN: Final = "TOOL_OUTCOME_UNKNOWN"  # the other synthetic result code (SPEC 7)
 # The kinds `Structure.commit` records something of; the session skips the call for every other event.
 COMMITTED_KINDS: Final = frozenset(
     {"turn/start", "turn/end", "step/start", "step/end", "tool/call", "assistant/message", "tool/result"}

@@ -161,3 +161,24 @@ async def test_a_deriver_reply_outside_the_contract_sends_the_gateway_to_the_str
     assert first.source == second.source == "stream" and client.fallbacks == 2
     assert len(asked) == 1, "the deriver is not asked again right after a reply that does not read"
     assert first.header is not None and second.header is not None and first.header.seq == second.header.seq
+
+
+async def test_an_error_reply_whose_body_is_not_an_object_still_raises_its_typed_error(log: SessionLog) -> None:
+    """A peer's error body that is not an object (or carries no integer seq) must not turn the refusal into an
+    AttributeError: the code in the headers is the error."""
+    from sessionlog.errors import SessionNotFound
+    from sessionlog.micro import call
+
+    subject = "test.contracts.refuse." + new_session_id("s")
+
+    async def refuser(msg: Any) -> None:
+        headers = {ERROR_CODE_HEADER: "SESSION_NOT_FOUND", ERROR_HEADER: "session x not found"}
+        await log.nc.publish(msg.reply, b"[1]", headers=headers)
+
+    sub = await log.nc.subscribe(subject, cb=refuser)
+    try:
+        with pytest.raises(SessionNotFound, match="session x not found") as raised:
+            await call(log.nc, subject, {"session": "x"}, timeout=WAIT_S)
+    finally:
+        await sub.unsubscribe()
+    assert raised.value.seq is None

@@ -28,6 +28,7 @@ from sessionlog.embedded import free_port
 from sessionlog.errors import SessionLogError
 from sessionlog.jsonl import read_jsonl
 from sessionlog.log import SessionLog
+from sessionlog.openai_wire import parse_raw_response
 from sessionlog.session import Session
 from sessionlog.settings import Settings
 from sessionlog.wire import canonical, to_wire
@@ -117,23 +118,13 @@ async def complete(
 
 def sse_message(data: bytes) -> dict[str, Any]:
     """The assistant message a streaming client assembles and appends (content null when there is no text)."""
-    text: list[str] = []
-    calls: dict[int, dict[str, Any]] = {}
-    for line in data.split(b"\n"):
-        if not line.startswith(b"data: ") or line[6:] == b"[DONE]":
-            continue
-        for choice in msgspec.json.decode(line[6:]).get("choices") or ():
-            delta = choice["delta"]
-            text.append(delta.get("content") or "")
-            for call in delta.get("tool_calls") or ():
-                slot = calls.setdefault(call["index"], {"id": "", "type": "function",
-                                                        "function": {"name": "", "arguments": ""}})  # fmt: skip
-                slot["id"] = call.get("id") or slot["id"]
-                slot["function"]["name"] = call.get("function", {}).get("name") or slot["function"]["name"]
-                slot["function"]["arguments"] += call.get("function", {}).get("arguments") or ""
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
-    if calls:
-        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    raw = parse_raw_response(data)
+    message: dict[str, Any] = {"role": "assistant", "content": raw.text or None}
+    if raw.tool_calls:
+        message["tool_calls"] = [
+            {"id": i, "type": "function", "function": {"name": name, "arguments": arguments}}
+            for i, name, arguments in raw.tool_calls
+        ]
     return message
 
 

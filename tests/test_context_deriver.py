@@ -589,7 +589,9 @@ async def test_serve_rebuild_and_from_seq_start_where_they_are_told(
         return all(now.get(p, 0) >= end for p, end in ends.items() if end)
 
     await eventually(checkpointed, "checkpoints at the end of every partition")
-    process.stop()
+    # Stopped off the event loop: a SIGTERM'd process can take over a second to exit on a loaded machine, and the
+    # writers' 1 s leases must go on being refreshed meanwhile (they were lost here, LEASE_LOST at the next flush).
+    await asyncio.to_thread(process.stop)
     middle = await last_stream_seq(log, "sessionlog.events.>") + 1
     for writer in writers:
         await streamed_turn(writer, "two")
@@ -604,4 +606,4 @@ async def test_serve_rebuild_and_from_seq_start_where_they_are_told(
         for writer in writers:
             reply = await derive(log, {"session": writer.session_id, "min_seq": writer.durable_seq})
             assert answered(reply) == expected_reply(await log_of(log, writer.session_id)), args
-        process.stop()
+        await asyncio.to_thread(process.stop)

@@ -905,3 +905,29 @@ async def test_an_idle_session_is_let_go_and_its_lease_released(
         again = await complete(http, short_lived, sid, {"model": "scripted-model", "messages": follow})
         assert again.status_code == 200, again.text  # taken up again from the log
         assert not any(e.is_replace for e in await load(log, sid))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"}]',
+        b'{"model":"scripted-model","messages":[{"role":"user","content":[{"type":"image_url","image_url":"x"}]}]}',
+        b'{"model":"scripted-model","messages":[{"role":"tool","tool_call_id":"call_nobody_made","content":"x"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"system","content":"only a system message"}]}',
+        b'{"model":["m"],"messages":[{"role":"user","content":"hi"}]}',
+    ],
+    ids=["not-json", "unloggable-message", "tool-result-without-call", "no-conversation", "model-a-list"],
+)  # fmt: skip
+async def test_a_refused_first_request_creates_no_session(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, body: bytes
+) -> None:
+    sid = new_session_id("rec")
+    reply = await http.post(base(gateway, sid) + "/chat/completions", content=body)
+    assert 400 <= reply.status_code < 500, f"{reply.status_code} {reply.text[:300]}"
+    assert reply.headers["x-should-retry"] == "false"
+    assert await log.header(sid) is None  # nothing visible: no header, no events
+    assert await log.reader.events(sid) == []
+    assert len(provider.received) == 0
+    provider.load([{"text": "first"}])  # and the session can still be created by a good first request
+    good = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    assert (await complete(http, gateway, sid, good)).status_code == 200

@@ -14,7 +14,6 @@ their own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -389,7 +388,7 @@ async def test_an_idle_runner_keeps_consuming(harness: Harness, url: str) -> Non
     await writer.flush()
     await runner.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
     await asyncio.sleep(3)  # idle: a dozen empty fetches per partition
-    dead = {p.number: p.task.exception() for p in runner._partitions.values() if p.task is not None and p.task.done()}
+    dead = {n: p.task.exception() for n, p in runner.feeds.items() if p.task is not None and p.task.done()}
     assert not dead, f"partition consumers died while idle: {dead}"
     await streamed_turn(writer, "after the quiet")
     await writer.flush()
@@ -405,7 +404,7 @@ async def test_records_applied_while_a_checkpoint_is_written_are_checkpointed_la
     writer = await harness.create(log)
     number = partition_of(writer.session_id, log.settings.partition_count)
     key = f"{runner.name}.p{number}"
-    kv = runner._kv
+    kv = runner.checkpoints.kv
     real_put = kv.put
     writing, release = asyncio.Event(), asyncio.Event()
 
@@ -462,7 +461,7 @@ async def test_a_wait_that_times_out_leaves_nothing_behind_so_the_session_can_st
     await writer.flush()
     with pytest.raises(TimeoutError):
         await runner.wait_for(writer.session_id, writer.next_seq + 5, timeout=0.5)
-    assert writer.session_id not in runner._waiters, "a timed-out waiter stays registered"
+    assert not runner.sessions.has_waiters(writer.session_id), "a timed-out waiter stays registered"
     await eventually(lambda: _true(writer.session_id not in runner.states), "the idle session evicted", timeout=5)
 
 
@@ -574,15 +573,7 @@ async def test_a_replica_that_stops_hands_its_partitions_over_at_once(harness: H
 
 async def _die(runner: ProjectionRunner[Any]) -> None:
     """A replica's process dies: its tasks stop mid-work and its connection drops; nothing is released."""
-    runner._running = False
-    tasks = [*runner._tasks, *(p.task for p in runner._partitions.values() if p.task is not None)]
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-    runner._tasks.clear()
-    runner._partitions.clear()
+    await runner.abort()
     await runner.log.nc.close()
 
 
@@ -647,7 +638,7 @@ async def test_a_poison_record_is_quarantined_and_the_next_records_still_apply(o
     state = await runner.wait_for(healthy, other.durable_seq, timeout=WAIT_S)
     await assert_equals_clean_rebuild(log, state, healthy)
     assert [q.stream_seq for q in runner.quarantined][-1] == seq_after
-    assert runner._partitions[partition].task is not None and not runner._partitions[partition].task.done()
+    assert runner.feeds[partition].task is not None and not runner.feeds[partition].task.done()
 
     # A rebuild meets the same poison and quarantines the same records.
     rebuilt = await harness.runner(own_url, rebuild=True)

@@ -93,6 +93,11 @@ class RepairerService(ProjectionService[RepairState]):
         await cancel_and_wait(self._watch)
         await super().stop()
 
+    async def abort(self) -> None:
+        await cancel_and_wait(self._watch)
+        self._watch = None
+        await super().abort()
+
     def health(self) -> dict[str, Any]:
         health = super().health()
         now = time.monotonic()

@@ -81,6 +81,11 @@ class ProjectionService(Generic[S]):
             await cancel_and_wait(task)
         await self.runner.stop()
 
+    async def abort(self) -> None:
+        """Stop as a killed process would (tests of failover): the runner aborts, nothing is checkpointed or
+        released; requests in flight are left to the connection's end."""
+        await self.runner.abort()
+
 
 @dataclass(frozen=True)
 class RunOptions:

@@ -205,6 +205,14 @@ class SessionCache(Generic[S]):
             task.add_done_callback(lambda _: self._loading.pop(session_id, None))
         return await asyncio.shield(task)
 
+    async def read(self, session_id: str) -> S:
+        """A state of the caller's own: read from the stream now, not kept, no hooks; a refusal is raised."""
+        state = self.projection.new_state(session_id)
+        for record in await self.log.reader.records(session_id):
+            state.apply(record)
+            state.last_stream_seq, state.next_seq = record.stream_seq, record.next_seq
+        return state
+
     async def _load_now(self, session_id: str) -> S | None:
         records = await self.log.reader.records(session_id)
         if not records:

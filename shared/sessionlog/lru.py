@@ -37,6 +37,9 @@ class LRU(Generic[K, V]):
     def __getitem__(self, key: K) -> V:
         return self._entries[key]
 
+    def __setitem__(self, key: K, value: V) -> None:
+        self.put(key, value)
+
     def get(self, key: K) -> V | None:
         """The entry, without counting it as a use (`use` does)."""
         return self._entries.get(key)
@@ -49,8 +52,10 @@ class LRU(Generic[K, V]):
         return value
 
     def touch(self, key: K) -> None:
-        self._entries.move_to_end(key)
-        self._used[key] = time.monotonic()
+        """Count a use of the entry (none: nothing to do, it was dropped meanwhile)."""
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            self._used[key] = time.monotonic()
 
     def put(self, key: K, value: V) -> None:
         self._entries[key] = value

@@ -41,7 +41,7 @@ from .session import Session
 log = logging.getLogger("sessionlog.sessions")
 
 WAIT_FIRST_S: Final = 0.005  # a wait checks again after this, doubling up to WAIT_MAX_S
-WAIT_MAX_S: Final = 0.25
+WAIT_MAX_S: Final = 0.1
 LOAD_CONCURRENCY: Final = 16  # sessions of one burst loaded from the stream at the same time
 
 

@@ -24,8 +24,8 @@ import msgspec
 import nats.errors
 import pytest
 import pytest_asyncio
-from prometheus_client import REGISTRY
 from natsfixtures import new_session_id
+from prometheus_client import REGISTRY
 from scaffold import LEASE_TTL_S, WAIT_S, Opened, eventually
 from sessiongen import compact_all, streamed_turn, user_message_data
 

@@ -156,9 +156,9 @@ class CheckpointedFeed:
             applied_before = self.applied
             try:
                 if not started:
-                    start = self.start_at if self.start_at is not None else await self.checkpoints.read(
-                        self.checkpoint
-                    ) + 1
+                    start = (
+                        self.start_at if self.start_at is not None else await self.checkpoints.read(self.checkpoint) + 1
+                    )
                     self.applied = self.checkpointed = max(1, start) - 1
                     started = True
                 await self._follow(self.applied + 1)

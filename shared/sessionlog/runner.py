@@ -399,4 +399,3 @@ class ProjectionRunner(Generic[S]):
     async def _on_purge(self, msg: Any) -> None:
         """An admin erased a session: forget everything about it."""
         self.sessions.purge(msg.subject[len(PURGED_PREFIX) :])
-

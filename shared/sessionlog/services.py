@@ -21,7 +21,8 @@ from nats.micro.service import EndpointConfig, Service
 
 from .log import SessionLog
 from .micro import Handler, Immediate, spawning
-from .runner import ProjectionRunner, S
+from .runner import ProjectionRunner
+from .sessioncache import S
 from .tasks import cancel_and_wait
 
 

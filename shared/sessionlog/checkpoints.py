@@ -1,7 +1,7 @@
-"""Checkpoints: the stream seq a feed has applied, kept in KV (`sessionlog-checkpoints`), and the quarantine entries
-kept beside them. A write that fails is logged and counted (`sessionlog_projection_kv_write_failures_total`,
-by kind), never dropped silently: a failed checkpoint only costs a longer replay after a restart, since a later
-write covers it, but an operator must see that it is happening."""
+"""Checkpoints: the stream seq a feed has applied, kept in KV (`sessionlog-checkpoints`), and the quarantine
+entries kept beside them (`QuarantineList`). A write that fails is logged and counted
+(`sessionlog_projection_kv_write_failures_total`, by kind), never dropped silently: a failed checkpoint only costs
+a longer replay after a restart, since a later write covers it, but an operator must see that it is happening."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import logging
 import time
 from typing import Any
 
+from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from .metrics import KV_WRITE_FAILURES
-from .quarantine import Quarantined, key
+from .errors import SessionLogError
+from .metrics import KV_WRITE_FAILURES, QUARANTINED
+from .quarantine import Quarantined, entries, key
 
 log = logging.getLogger("sessionlog.checkpoints")
 
@@ -29,6 +31,7 @@ class Checkpoints:
         # Built, not looked up (`js.key_value` asks the stream leader for its info, which a cluster without quorum
         # has not): checkpoints are read by direct get, and a start without quorum goes on to answer queries.
         self.kv: Any = KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=js, direct=True)
+        self.bucket = bucket
         self.projection = projection
         self.replica_id = replica_id
         self._failures = {kind: KV_WRITE_FAILURES.labels(projection, kind) for kind in ("checkpoint", "quarantine")}
@@ -75,3 +78,44 @@ class Checkpoints:
 
 def _text(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+class QuarantineList:
+    """What a projection quarantined: each record listed and counted once (met again on a reload or a replay, it is
+    not), kept in KV, and read back from KV at start so health and stats report the same list after a restart.
+    Sessions are not poisoned from it: a session touched again meets its bad record again (state is rebuildable)."""
+
+    def __init__(self, nc: Client, checkpoints: Checkpoints, *, timeout: float) -> None:
+        self.nc = nc
+        self.checkpoints = checkpoints
+        self.timeout = timeout
+        self.entries: list[Quarantined] = []
+        self._seqs: set[int] = set()
+
+    def add(self, entry: Quarantined, *, keep: bool = True) -> None:
+        if entry.stream_seq in self._seqs:
+            return
+        self._seqs.add(entry.stream_seq)
+        self.entries.append(entry)
+        QUARANTINED.labels(self.checkpoints.projection).inc()
+        log.warning(
+            "%s: quarantined stream seq %d of session %s: %s",
+            self.checkpoints.projection,
+            entry.stream_seq,
+            entry.session_id,
+            entry.reason,
+        )
+        if keep:
+            self.checkpoints.quarantine(entry)
+
+    async def recall(self) -> None:
+        projection = self.checkpoints.projection
+        try:
+            found = await entries(self.nc, self.checkpoints.bucket, projection=projection, timeout=self.timeout)
+        except SessionLogError as err:
+            log.warning("%s: could not read the quarantine list: %s", projection, err)
+            return
+        for entry in found:
+            if entry.stream_seq not in self._seqs:
+                self._seqs.add(entry.stream_seq)
+                self.entries.append(entry)

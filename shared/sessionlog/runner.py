@@ -45,18 +45,17 @@ import logging
 import uuid
 from typing import Any, Final, Generic
 
-from .checkpoints import Checkpoints
+from .checkpoints import Checkpoints, QuarantineList
 from .claims import PartitionClaims
-from .errors import InvalidSessionId, LogUnavailable, SessionLogError
+from .errors import InvalidSessionId, LogUnavailable
 from .feed import FETCH_BATCH, PULL_EXPIRES_S, PULL_HEARTBEAT_S, Apply, CheckpointedFeed
 from .ids import check_session_id
 from .leases import Lease, Leases
 from .log import PURGED_PREFIX, SessionLog
 from .lru import LRU
-from .metrics import QUARANTINED
 from .provision import partition_of
 from .pull import Delivery
-from .quarantine import Quarantined, entries
+from .quarantine import Quarantined
 from .record import H_FIRST_SEQ, Record, decode_record, partition_filter, session_of_subject
 from .sessioncache import NotReached, Projection, S, SessionCache, SessionLogState, SessionState, reason
 from .tasks import cancel_and_wait
@@ -119,11 +118,10 @@ class ProjectionRunner(Generic[S]):
         self.sessions: SessionCache[S] = SessionCache(
             log_, projection, max_sessions=self.max_sessions, owns=self.owns, quarantine=self._quarantine
         )
-        self.quarantined: list[Quarantined] = []
-        self._quarantined_seqs: set[int] = set()
         self.feeds: dict[int, CheckpointedFeed] = {}  # the owned partitions' feeds
         self._extra_feeds: list[CheckpointedFeed] = []  # feeds a service follows beside them (`follow`)
         self.checkpoints = Checkpoints(log_.js, self.settings.kv_checkpoints, self.name, self.replica_id)
+        self.quarantine = QuarantineList(log_.nc, self.checkpoints, timeout=self.settings.request_timeout_s)
         leases = Leases(log_.js, self.settings.kv_leases, timeout=self.settings.request_timeout_s)
         self.claims: PartitionClaims | None = (
             PartitionClaims(
@@ -142,6 +140,11 @@ class ProjectionRunner(Generic[S]):
         return self.sessions.states
 
     @property
+    def quarantined(self) -> list[Quarantined]:
+        """Every record this projection quarantined (also those listed in KV before a restart), oldest first."""
+        return self.quarantine.entries
+
+    @property
     def poisoned(self) -> dict[str, Quarantined]:
         return self.sessions.poisoned
 
@@ -155,7 +158,7 @@ class ProjectionRunner(Generic[S]):
 
     async def start(self) -> None:
         self._running = True
-        await self._recall_quarantine()
+        await self.quarantine.recall()
         self._purges = await self.log.nc.subscribe(f"{PURGED_PREFIX}*", cb=self._on_purge)
         if self.claims is not None:
             await self.claims.start()
@@ -366,35 +369,7 @@ class ProjectionRunner(Generic[S]):
     # ---------------------------------------------------------------------------------- quarantine, purge
 
     def _quarantine(self, entry: Quarantined) -> None:
-        if entry.stream_seq in self._quarantined_seqs:
-            return  # met again (a reload, a replay after a restart): listed and counted once
-        self._quarantined_seqs.add(entry.stream_seq)
-        self.quarantined.append(entry)
-        QUARANTINED.labels(self.name).inc()
-        log.warning(
-            "%s: quarantined stream seq %d of session %s: %s",
-            self.name,
-            entry.stream_seq,
-            entry.session_id,
-            entry.reason,
-        )
-        if self._running:
-            self.checkpoints.quarantine(entry)
-
-    async def _recall_quarantine(self) -> None:
-        """What this projection quarantined before a restart, so health and stats report the same list. Sessions
-        are not poisoned from it: a session touched again meets its bad record again (state is rebuildable)."""
-        try:
-            found = await entries(
-                self.log.nc, self.settings.kv_checkpoints, projection=self.name, timeout=self.settings.request_timeout_s
-            )
-        except SessionLogError as err:
-            log.warning("%s: could not read the quarantine list: %s", self.name, err)
-            return
-        for entry in found:
-            if entry.stream_seq not in self._quarantined_seqs:
-                self._quarantined_seqs.add(entry.stream_seq)
-                self.quarantined.append(entry)
+        self.quarantine.add(entry, keep=self._running)
 
     async def _on_purge(self, msg: Any) -> None:
         """An admin erased a session: forget everything about it."""

@@ -282,7 +282,7 @@ class Recorder:
     async def _writer(self, session_id: str, held: _Held) -> SessionWriter:
         """The session's writer: the one held, or the session opened (or created) under its lease."""
         writer = held.writer
-        if writer is not None and writer._failed is None:
+        if writer is not None and writer.failed is None:
             return writer
         if writer is not None:  # fenced: someone else wrote; start again from the log
             held.writer = None

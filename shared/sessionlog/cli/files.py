@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 import typer
@@ -109,10 +109,9 @@ def fork(
         raise SessionAlreadyExists(f"{out} already exists; a fork never overwrites a session")
     now = int(time.time() * 1000)
     plan = plan_fork(session, at, now_ms=now)
-    parent: dict[str, Any] = msgspec.json.decode(log.header_raw)
-    header = plan.child_header(child_id=new_id, parent=parent, created_at=now)
-    write_jsonl(out, msgspec.json.encode(header), plan.events)
-    typer.echo(f"forked {parent.get('id')} at seq {plan.boundary} into {new_id}: {len(plan.events)} events -> {out}")
+    header = plan.child_header(child_id=new_id, parent=log.header, created_at=now)
+    write_jsonl(out, header.encode(), plan.events)
+    typer.echo(f"forked {log.header.id} at seq {plan.boundary} into {new_id}: {len(plan.events)} events -> {out}")
 
 
 def register(app: typer.Typer) -> None:

@@ -20,7 +20,6 @@ from sessionlog.errors import InvalidRequest, LogUnavailable, SessionNotFound
 from sessionlog.feed import CheckpointedFeed
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
-from sessionlog.provision import RAW_ALL
 from sessionlog.pull import Delivery
 from sessionlog.reader import read_raw_exchanges
 from sessionlog.record import Record
@@ -135,7 +134,7 @@ class TokenAuditorService(ProjectionService[AuditState]):
                 except Exception as err:  # a bad message must not stop the audit: the report reads the tee again
                     log.warning("token-auditor: raw stream seq %d skipped: %s", item.stream_seq, err)
 
-            self._feed = self.runner.follow(self.settings.raw_stream, RAW_ALL, "raw", take)
+            self._feed = self.runner.follow(self.settings.raw_stream, None, "raw", take)  # all of it
         await self._serve_endpoints(
             SERVICE, "token ledger and audit findings of sessions", "sessionlog.audit", {"report": self._report}
         )

@@ -66,7 +66,7 @@ class CheckpointedFeed:
         nc: Client,
         js: JetStreamContext,
         stream: str,
-        filter_subject: str,
+        filter_subject: str | None,
         durable: str,
         checkpoints: Checkpoints,
         checkpoint: str,
@@ -190,6 +190,9 @@ class CheckpointedFeed:
             await self.js.delete_consumer(self.stream, self.durable)
         config = api.ConsumerConfig(
             durable_name=self.durable,
+            # Without a filter, created by name (`CONSUMER.CREATE.<stream>.<name>`), the form a role granted
+            # "consumers of its own choosing on that stream" may use; a partition's keeps its durable form.
+            name=None if self.filter_subject else self.durable,
             filter_subject=self.filter_subject,
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=start,

@@ -213,7 +213,7 @@ class ProjectionRunner(Generic[S]):
             self._purges = None
 
     def follow(
-        self, stream: str, filter_subject: str, name: str, apply: Apply, *, start_at: int | None = None
+        self, stream: str, filter_subject: str | None, name: str, apply: Apply, *, start_at: int | None = None
     ) -> CheckpointedFeed:
         """A feed of another stream beside the partitions (durable `<projection>-<name>-<replica>`, checkpoint
         `<projection>.<name>`), started now and stopped with the runner."""

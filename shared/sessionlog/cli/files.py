@@ -14,9 +14,9 @@ from ..errors import InvalidBoundary, SessionAlreadyExists, SessionNotFound
 from ..fork import plan_fork
 from ..ids import check_session_id
 from ..jsonl import JsonlLog, append_jsonl, read_jsonl, truncate_torn_tail, write_jsonl
-from ..render import transcript_entries, transcript_text
 from ..repair import interrupted_turn_closers
 from ..session import Session, messages_json
+from ..transcript import build_transcript, logged_entries, transcript_plain
 
 FileArg = Annotated[Path, typer.Argument(help="A session log: .jsonl or .jsonl.zstd", show_default=False)]
 AtOpt = Annotated[
@@ -64,12 +64,12 @@ def transcript(
     at: AtOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="A JSON array; each entry carries its seq.")] = False,
 ) -> None:
-    """Print the transcript as the user saw it (append-origin events; compaction never removes a line)."""
-    _, session = load(file, at)
+    """Print the transcript as the user saw it (the UI's transcript as text; compaction never removes a line)."""
+    log, session = load(file, at)
     if as_json:
-        _write(msgspec.json.encode(transcript_entries(session)) + b"\n")
+        _write(msgspec.json.encode(logged_entries(session)) + b"\n")
     else:
-        typer.echo(transcript_text(session), nl=False)
+        typer.echo(transcript_plain(build_transcript(session, log.header_raw)), nl=False)
 
 
 def repair(

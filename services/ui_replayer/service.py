@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
@@ -19,14 +18,15 @@ from starlette.routing import Route
 from sessionlog.asgi import AsgiServer, serve_asgi
 from sessionlog.audit import SessionAuditor
 from sessionlog.errors import InvalidBoundary, SessionLogError, SessionNotFound, http_status
+from sessionlog.events import Event
 from sessionlog.ids import check_session_id
 from sessionlog.jsonl import SessionHeader, decode_header
 from sessionlog.log import SessionLog
+from sessionlog.lru import LRU
 from sessionlog.reader import read_raw_exchanges
 from sessionlog.record import Record
-from sessionlog.runner import Projection, ProjectionRunner, SessionState
+from sessionlog.runner import Projection, ProjectionRunner, SessionLogState
 from sessionlog.services import ProjectionService
-from sessionlog.session import Session
 from sessionlog.transcript import (
     EntryUpdate,
     Transcript,
@@ -62,29 +62,22 @@ CONTEXT_PAGE: Final = 250  # messages of the model's view on one page (the newes
 _encoder: Final = msgspec.json.Encoder()
 
 
-class UIState(SessionState):
+class UIState(SessionLogState):
     """One session's validated log, its transcript and its audit (requests, ledger, findings); `updates` holds what
     the last records changed for the live tail, `replaces` the seqs of its compactions."""
 
     def __init__(self, session_id: str, model_aliases: dict[str, str] | None = None) -> None:
         super().__init__(session_id)
-        self.session = Session()
         self.builder = TranscriptBuilder(session_id)
         self.auditor = SessionAuditor(session_id, model_aliases=model_aliases)
         self.updates: list[Update] = []
         self.replaces: list[int] = []
 
-    def apply(self, record: Record) -> None:
-        session = self.session
-        add = self.builder.add
-        audit = self.auditor.add
-        updates = self.updates
-        for raw in record.events:
-            event = session.append(raw)
-            updates.extend(add(event))
-            audit(event, session)
-            if event.is_replace:
-                self.replaces.append(event.seq)
+    def took(self, event: Event) -> None:
+        self.updates.extend(self.builder.add(event))
+        self.auditor.add(event, self.session)
+        if event.is_replace:
+            self.replaces.append(event.seq)
 
     def requests(self) -> list[views.Request]:
         return views.requests_of(self.auditor)
@@ -106,14 +99,14 @@ class UIReplayer(Projection[UIState]):
         self.listeners: dict[str, set[_Listener]] = {}
         # The service's cache of session headers; kept here so that a purge (`on_forget`) drops the header too,
         # or the erased session would still be found (and its header served) after its records are gone.
-        self.headers: OrderedDict[str, bytes] = OrderedDict()
+        self.headers: LRU[str, bytes] = LRU(MAX_HEADERS)
         self.model_aliases = model_aliases or {}
 
     def new_state(self, session_id: str) -> UIState:
         return UIState(session_id, self.model_aliases)
 
     def on_forget(self, session_id: str) -> None:
-        self.headers.pop(session_id, None)
+        self.headers.pop(session_id)
 
     def on_applied(self, state: UIState, record: Record) -> None:
         updates, state.updates = state.updates, []
@@ -229,30 +222,18 @@ class UIReplayerService(ProjectionService[UIState]):
     async def header(self, session_id: str) -> bytes:
         """The session header (cached: a header never changes once the session is visible)."""
         check_session_id(session_id)
-        header = self._headers.get(session_id)
+        header = self._headers.use(session_id)
         if header is None:
             header = await self.log.header(session_id)
             if header is None:
                 raise SessionNotFound(f"session {session_id} not found")
-            self._headers[session_id] = header
-            while len(self._headers) > MAX_HEADERS:
-                self._headers.popitem(last=False)
-        else:
-            self._headers.move_to_end(session_id)
+            self._headers.put(session_id, header)
         return header
 
     async def _state(self, session_id: str) -> UIState:
         """The session's state: from memory when this replica owns the session, else read from the stream."""
-        if self.runner.owns(session_id):
-            state = await self.runner.state(session_id)
-            return state if state is not None else self.projection.new_state(session_id)
-        records = await self.log.reader.records(session_id)
-        state = self.projection.new_state(session_id)
-        for record in records:
-            state.apply(record)
-            state.last_stream_seq = record.stream_seq
-        state.updates = []
-        return state
+        state = await self.runner.session_at(session_id)
+        return state if state is not None else self.projection.new_state(session_id)
 
     async def transcript(self, session_id: str, *, at: int | None = None) -> Transcript:
         """The transcript now, or of the prefix ending at seq `at` (inclusive): a replay from any offset."""
@@ -585,7 +566,7 @@ class UIReplayerService(ProjectionService[UIState]):
             return
         listener = _Listener(seen=from_seq)
         yield b": live tail\n\n"
-        state = await self.runner.state(session_id)
+        state = await self.runner.session_at(session_id)
         # No await between the snapshot and registering: no record can slip between them.
         listeners = self.projection.listeners.setdefault(session_id, set())
         listeners.add(listener)
@@ -603,7 +584,7 @@ class UIReplayerService(ProjectionService[UIState]):
                     listener.behind = False
                     while not listener.queue.empty():
                         listener.queue.get_nowait()
-                    current = self.runner.states.get(session_id) or await self.runner.state(session_id)
+                    current = await self.runner.session_at(session_id)
                     if current is not None:
                         for chunk in self._snapshot(current.builder, listener):
                             yield chunk
@@ -635,7 +616,8 @@ class UIReplayerService(ProjectionService[UIState]):
     async def _tail_stream(self, session_id: str, from_seq: int) -> AsyncIterator[bytes]:
         """The live tail of a session another replica owns: read it and follow it on the stream."""
         yield b": live tail (stream)\n\n"
-        state = await self._state(session_id)
+        state = await self.runner.sessions.read(session_id)  # its own: followed here, never shared
+        state.updates = []
         session, builder, last_stream_seq = state.session, state.builder, state.last_stream_seq
         listener = _Listener(seen=from_seq)
         for chunk in self._snapshot(builder, listener):

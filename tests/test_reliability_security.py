@@ -3,7 +3,7 @@ tests/test_deploy.py generates and checks; its helpers are reused here, not copi
 
 - Nobody but the admin can purge: every other role's purge request is refused by the server (a permissions
   violation in its log, the session's records untouched); the admin's purge erases the session and every
-  projection (context-deriver, token-auditor, ui-replayer, each under its own user) forgets it.
+  projection (context-deriver, token-auditor, ui-replayer, repairer, each under its own user) forgets it.
 - The gateway refuses requests without its key (or with a wrong one) and the provider sees none of them.
 - Secrets (every NATS password, the gateway's key, the provider's key) appear in no log line (of the test's
   process, of a service process, of nats-server), in no event or raw-tee message, no KV value, and no metric.
@@ -182,7 +182,7 @@ async def test_the_admins_purge_is_forgotten_by_every_projection_under_its_own_u
     mark = log_mark(server)
     async with contextlib.AsyncExitStack() as stack:
         services = {}
-        for name in ("context-deriver", "token-auditor", "ui-replayer"):
+        for name in ("context-deriver", "token-auditor", "ui-replayer", "repairer"):
             services[name], _ = await stack.enter_async_context(serving(server.url, name, allow_purge=True))
         ui_url = f"http://127.0.0.1:{services['ui-replayer'].port}"
 

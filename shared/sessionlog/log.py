@@ -35,6 +35,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from nats.js.kv import KeyValue
 
 from .availability import is_unavailable, retry_unanswered, translates_unavailable, unavailable_as_typed
+from .backpressure import PublishWindow
 from .connection import connect as nats_connect
 from .errors import (
     JS_DUPLICATE_IN_PROCESS,
@@ -109,6 +110,7 @@ class SessionLog:
         self.reader = StreamReader(nc, settings.stream, timeout=settings.request_timeout_s)
         self.leases = Leases(self.js, settings.kv_leases, timeout=settings.request_timeout_s)
         self._headers_reader = StreamReader(nc, f"KV_{settings.kv_sessions}", timeout=settings.request_timeout_s)
+        self.publish_window = PublishWindow(nc)  # back-pressure of every writer's records on this connection
         # Built, not looked up (`js.key_value` asks the stream leader for its info): headers are read by direct
         # get, which any replica answers, so a cluster without quorum can still be read.
         self._kv_sessions = KeyValue(
@@ -673,12 +675,14 @@ class RecordPublisher:
         # attempt waits a third of a request timeout, so a publish lost in the election is sent again soon; the
         # same message id makes every repeat harmless.
         budget = settings.publish_retry_s
-        deadline = time.monotonic() + budget
+        started = time.monotonic()
+        window = self._log.publish_window  # the budget counts from the connection's last acknowledgement
+        cap = window.cap(budget, settings.duplicate_window_s)
         attempt_timeout = max(0.05, settings.request_timeout_s / 3)
         timed_out = in_doubt
         delay = 0.02
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = window.remaining(started, budget, cap)
             if remaining <= 0:
                 raise LogUnavailable(
                     f"session {self._session_id}: no acknowledgement for seqs "
@@ -687,9 +691,10 @@ class RecordPublisher:
                     f"{first_seq - 1} is reported written"
                 )
             try:
-                reply = await self._log.nc.request(
-                    self._subject, payload, timeout=min(attempt_timeout, remaining), headers=headers
-                )
+                reply = await window.request(
+                    self._subject, payload, headers, attempt_s=attempt_timeout, started=started, budget_s=budget,
+                    cap_s=cap,
+                )  # fmt: skip
             except (
                 nats.errors.TimeoutError,
                 nats.errors.NoRespondersError,
@@ -697,7 +702,7 @@ class RecordPublisher:
                 nats.errors.ConnectionReconnectingError,
             ):
                 timed_out = True
-                await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                await asyncio.sleep(min(delay, max(0.0, window.remaining(started, budget, cap))))
                 delay = min(delay * 2, 0.5)
                 continue
             try:
@@ -732,7 +737,7 @@ class RecordPublisher:
                 )
             if error.get("code") == 503 or code == JS_DUPLICATE_IN_PROCESS:
                 timed_out = True
-                await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                await asyncio.sleep(min(delay, max(0.0, window.remaining(started, budget, cap))))
                 delay = min(delay * 2, 0.5)
                 continue
             raise LogUnavailable(f"session {self._session_id}: publish refused: {error}", seq=first_seq)

@@ -78,9 +78,10 @@ class PublishWindow:
                     done, _ = await asyncio.wait({answer}, timeout=max(0.0, min(attempt_s, left)))
                     if done:
                         reply = answer.result()
-                        self._latest = max(self._latest, ticket)
-                        self._answers += 1
-                        self._answered_at = time.monotonic()
+                        if not reply.data.startswith(b'{"error"'):  # a refusal (503: no quorum) is no progress
+                            self._latest = max(self._latest, ticket)
+                            self._answers += 1
+                            self._answered_at = time.monotonic()
                         return reply
                     lost = self._latest > ticket  # a later record was answered first
                     if lost or self._answers == answers or self.remaining(started, budget_s, cap_s) <= 0:

@@ -6,9 +6,10 @@ queue that made it late; giving up after `publish_retry_s` fails writers of a se
 issue 15: 430 of 1,000 writers failed with `LOG_UNAVAILABLE` at 20,000 events/s on 2 cores). So a record waits
 while records of its connection keep being acknowledged, and its budget counts from the last acknowledgement:
 
-- an attempt is sent again only when a whole attempt passed with no acknowledgement on the connection, or when a
-  record sent after it was acknowledged first (JetStream answers one connection's publishes to a stream in order,
-  so this one, or its answer, was lost); a repeat carries the same message id and is harmless either way;
+- a record is sent again when a record sent after it was acknowledged first (JetStream answers one connection's
+  publishes to a stream in order, so this one, or its answer, was lost), or when a whole attempt passed with no
+  acknowledgement on the connection and it is the oldest in flight (one probe: when its repeat is answered, the
+  others see a later record answered and follow); a repeat carries the same message id and is harmless;
 - `LOG_UNAVAILABLE` comes once `publish_retry_s` passed with no acknowledgement on the connection (a server gone, a
   cluster without quorum: exactly as before), and at the latest at `MAX_WAIT_FACTOR` times that budget, below the
   streams' duplicate window, where a repeat would no longer be recognised by its message id;
@@ -42,6 +43,7 @@ class PublishWindow:
         self._latest = 0  # the latest ticket answered
         self._answers = 0  # how many were answered
         self._answered_at = time.monotonic()
+        self._in_flight: set[int] = set()
 
     @staticmethod
     def cap(budget_s: float, duplicate_window_s: float) -> float:
@@ -70,6 +72,7 @@ class PublishWindow:
         try:
             self._sent += 1
             ticket = self._sent
+            self._in_flight.add(ticket)
             answer = asyncio.ensure_future(self._nc.request(subject, payload, timeout=cap_s, headers=headers))
             try:
                 answers = self._answers
@@ -84,10 +87,14 @@ class PublishWindow:
                             self._answered_at = time.monotonic()
                         return reply
                     lost = self._latest > ticket  # a later record was answered first
-                    if lost or self._answers == answers or self.remaining(started, budget_s, cap_s) <= 0:
+                    # With no answer at all, only the oldest record in flight is sent again (one probe per
+                    # attempt): all of them at once would add a queue's worth of repeats to a server that is slow.
+                    idle = self._answers == answers and ticket == min(self._in_flight)
+                    if lost or idle or self.remaining(started, budget_s, cap_s) <= 0:
                         raise nats.errors.TimeoutError
                     answers = self._answers  # earlier records are still being answered: the server is working
             finally:
+                self._in_flight.discard(ticket)
                 if not answer.done():
                     answer.cancel()
         finally:

@@ -30,6 +30,7 @@ import msgspec
 
 from sessionlog.embedded import EmbeddedServer
 from sessionlog.events import encode_new_event
+from sessionlog.header import SessionHeader
 from sessionlog.log import SessionLog
 from sessionlog.record import events_filter, in_subject
 from sessionlog.settings import Settings
@@ -148,10 +149,8 @@ async def reading(log: SessionLog) -> dict[str, Any]:
     """A 100,000-event session read three ways; the best of READ_ROUNDS rounds each."""
     sid = "bench-read"
     events = synthetic_log(READ_EVENTS)[:READ_EVENTS]
-    await log._write_all(sid, events, None)
-    await log._publish_header(
-        sid, b'{"type":"session","version":0,"id":"bench-read","createdAt":1,"delegationDepth":0}'
-    )
+    await log.store.write_all(sid, events)
+    await log.header_store.create(sid, SessionHeader.new(sid, created_at=1).encode())
     subject = events_filter(sid)
 
     async def floor() -> int:

@@ -1,21 +1,23 @@
 """The floor for "an HTTP hop": a plain pass-through proxy on the gateway's own stack (Starlette, uvicorn with
-httptools, the gateway's `Upstream` on an httpx transport), forwarding the request body as it came and streaming
-the answer back, with no log, no check, no tee: what remains between it and the gateway is the gateway's own work.
+httptools on the gateway's event loop, the gateway's `Upstream` and connection pool, its `RelayResponse`),
+forwarding the request body as it came and streaming the answer back, with no log, no check, no tee: what remains
+between it and the gateway is the gateway's own work.
 `python -m bench.passthrough --port P --upstream URL` (URL is the provider's chat-completions endpoint).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from services.gateway.forward import RelayResponse
+from services.gateway.serving import run
 from services.gateway.upstream import Upstream, UpstreamConfig, upstream_transport
 from sessionlog.asgi import serve_until_cancelled
 
@@ -36,7 +38,7 @@ def app(upstream_url: str) -> Starlette:
                 await reply.aclose()
 
         media = reply.headers.get("content-type", "text/event-stream")
-        return StreamingResponse(relay(), status_code=reply.status_code, media_type=media,
+        return RelayResponse(relay(), status_code=reply.status_code, media_type=media,
                                  headers={"cache-control": "no-cache"})  # fmt: skip
 
     async def healthz(_: Request) -> Response:
@@ -53,7 +55,7 @@ def main() -> None:
     parser.add_argument("--upstream", required=True)
     args = parser.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_until_cancelled(app(args.upstream), "127.0.0.1", args.port, lifespan="off"))
+        run(serve_until_cancelled(app(args.upstream), "127.0.0.1", args.port, lifespan="off"))
 
 
 if __name__ == "__main__":

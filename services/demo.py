@@ -240,7 +240,7 @@ class Demo:
         for _ in range(2):
             await agent.start_step()
             reply = await agent.ask(agent.request())
-            await agent.emit("step/end", {"turn": agent.turn, "step": agent.step})
+            await agent.end_step()
             if not reply["calls"]:
                 break
         await agent.end_turn({"kind": "completed"})

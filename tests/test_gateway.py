@@ -38,6 +38,7 @@ from sessionlog.embedded import free_port
 from sessionlog.errors import CODES, SessionNotFound
 from sessionlog.events import Message, canonical_json
 from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.openai_wire import ChatCompletionChunk, ResponseAssembler
 from sessionlog.session import messages_canonical
 from sessionlog.settings import Settings
 from sessionlog.wire import to_wire
@@ -207,20 +208,12 @@ def sse_events(data: bytes) -> list[Any]:
 
 
 def assembled(events: list[Any]) -> dict[str, Any]:
-    """Text, reasoning and tool calls assembled from SSE chunks."""
-    text, reasoning, calls = [], [], {}
+    """Text, reasoning and tool calls assembled from SSE chunks (decoded as `ChatCompletionChunk`s)."""
+    assembler = ResponseAssembler()
     for event in events:
-        if event == "[DONE]" or not event.get("choices"):
-            continue
-        delta = event["choices"][0]["delta"]
-        text.append(delta.get("content") or "")
-        reasoning.append(delta.get("reasoning_content") or "")
-        for call in delta.get("tool_calls") or ():
-            slot = calls.setdefault(call["index"], {"id": "", "name": "", "arguments": ""})
-            slot["id"] = call.get("id") or slot["id"]
-            slot["name"] = call.get("function", {}).get("name") or slot["name"]
-            slot["arguments"] += call.get("function", {}).get("arguments") or ""
-    return {"text": "".join(text), "reasoning": "".join(reasoning), "calls": [calls[i] for i in sorted(calls)]}
+        if event != "[DONE]":
+            assembler.take(msgspec.convert(event, ChatCompletionChunk))
+    return {"text": assembler.text(), "reasoning": assembler.text("reasoning"), "calls": assembler.calls()}
 
 
 async def post(http: httpx.AsyncClient, agent: Agent, body: Any, **headers: str) -> httpx.Response:

@@ -242,7 +242,7 @@ async def test_a_lease_that_expires_during_a_failover_is_lease_lost_not_conflict
     leader = await stream_leader(cluster, log)
     await lead_from(log, f"KV_{log.settings.kv_leases}", cluster[leader].server_name)
 
-    await writer._lease.stop()
+    await writer.lease.stop()
     cluster.kill(leader)
     await records_once_recovered(log, writer.session_id)
     deadline = time.monotonic() + RECOVERY_S

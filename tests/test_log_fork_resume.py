@@ -349,7 +349,7 @@ async def test_a_dead_import_leaves_nothing_visible_and_a_later_import_of_the_sa
     sid = new_session_id()
     header = {"type": "session", "version": 0, "id": sid, "createdAt": 1_780_000_000_000, "delegationDepth": 0}
 
-    await log._write_all(sid, events[:12], None)  # the process died after some records, before the header
+    await log.store.write_all(sid, events[:12])  # the process died after some records, before the header
     assert await log.header(sid) is None
     assert sid not in {s.id for s in await log.sessions()}
     with pytest.raises(SessionLogError) as refused:
@@ -381,7 +381,7 @@ async def test_a_dead_fork_leaves_nothing_visible_and_a_retried_fork_completes_i
     child = new_session_id()
     _, session, _ = await log.load(parent)
     dead = plan_fork(session, None, now_ms=int(time.time() * 1000))
-    await log._write_all(child, list(dead.events), None)  # every record written; died before the header
+    await log.store.write_all(child, dead.events)  # every record written; died before the header
     assert not await visible(log, child)
 
     await asyncio.sleep(0.01)  # the retry happens a moment later

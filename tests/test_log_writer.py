@@ -32,7 +32,7 @@ from sessionlog.embedded import EmbeddedServer
 from sessionlog.errors import LogUnavailable, SessionLogError
 from sessionlog.events import encode_new_event
 from sessionlog.jsonl import decode_header
-from sessionlog.log import RecordPublisher, SessionLog, SessionWriter
+from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.record import H_COUNT, H_DIGEST, H_FIRST_SEQ, H_FORMAT, H_WRITER, events_filter
 
 pytest_plugins = ["natsfixtures"]
@@ -320,21 +320,22 @@ async def test_a_second_writer_on_a_live_session_gets_lease_held(logs: Logs, url
 async def test_two_publishers_expecting_the_same_last_record_cannot_both_append(logs: Logs, url: str) -> None:
     log = await logs.connect(url)
     sid = new_session_id()
-    first, second = RecordPublisher(log, sid, epoch=101), RecordPublisher(log, sid, epoch=102)
     mine = [encode_new_event("turn/start", {"turn": 1}, seq=0, time=1)]
     theirs = [encode_new_event("turn/start", {"turn": 1}, seq=0, time=2)]
 
-    stream_seq = await first.publish(mine, 0, 0, 1)
+    stream_seq = await log.store.publish(sid, mine, 0, 0, 1, epoch=101)
     with pytest.raises(SessionLogError) as refused:
-        await second.publish(theirs, 0, 0, 1)
+        await log.store.publish(sid, theirs, 0, 0, 1, epoch=102)
     assert refused.value.code == "CONFLICT"
     with pytest.raises(SessionLogError) as refused:
-        await second.publish(mine, 0, 0, 1)  # the same bytes under another epoch are not a duplicate either
+        # the same bytes under another epoch are not a duplicate either
+        await log.store.publish(sid, mine, 0, 0, 1, epoch=102)
     assert refused.value.code == "CONFLICT"
     assert await log.reader.events(sid) == mine
 
     follow = [encode_new_event("turn/end", {"turn": 1, "reason": {"kind": "completed"}}, seq=1, time=3)]
-    assert await second.publish(follow, 1, stream_seq, 0) > stream_seq  # expecting the right record: accepted
+    # expecting the right record: accepted
+    assert await log.store.publish(sid, follow, 1, stream_seq, 0, epoch=102) > stream_seq
     assert await log.reader.events(sid) == mine + follow
 
 
@@ -347,7 +348,7 @@ async def test_a_writer_whose_lease_was_taken_over_gets_lease_lost_and_never_int
     await stale.flush()
 
     # The process stalls (a long GC pause, a suspended VM): its lease keeper stops refreshing and the lease expires.
-    await stale._lease.stop()
+    await stale.lease.stop()
 
     async def lease_free() -> bool:
         return await log.leases.current(sid) is None
@@ -390,7 +391,7 @@ async def test_open_fences_the_previous_tenure_so_the_server_refuses_its_next_pu
 
     late = [encode_new_event("turn/start", {"turn": 2}, seq=len(written), time=5)]
     with pytest.raises(SessionLogError) as refused:
-        await RecordPublisher(log, sid, epoch=epoch).publish(late, len(written), known_last, 2)
+        await log.store.publish(sid, late, len(written), known_last, 2, epoch=epoch)
     assert refused.value.code == "CONFLICT"
     assert await log.reader.events(sid) == raws(written), "the stale tenure's record never landed"
 

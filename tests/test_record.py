@@ -28,6 +28,7 @@ from sessionlog.embedded import free_port
 from sessionlog.errors import SessionLogError
 from sessionlog.jsonl import read_jsonl
 from sessionlog.log import SessionLog
+from sessionlog.openai_wire import parse_raw_response
 from sessionlog.session import Session
 from sessionlog.settings import Settings
 from sessionlog.wire import canonical, to_wire
@@ -117,23 +118,13 @@ async def complete(
 
 def sse_message(data: bytes) -> dict[str, Any]:
     """The assistant message a streaming client assembles and appends (content null when there is no text)."""
-    text: list[str] = []
-    calls: dict[int, dict[str, Any]] = {}
-    for line in data.split(b"\n"):
-        if not line.startswith(b"data: ") or line[6:] == b"[DONE]":
-            continue
-        for choice in msgspec.json.decode(line[6:]).get("choices") or ():
-            delta = choice["delta"]
-            text.append(delta.get("content") or "")
-            for call in delta.get("tool_calls") or ():
-                slot = calls.setdefault(call["index"], {"id": "", "type": "function",
-                                                        "function": {"name": "", "arguments": ""}})  # fmt: skip
-                slot["id"] = call.get("id") or slot["id"]
-                slot["function"]["name"] = call.get("function", {}).get("name") or slot["function"]["name"]
-                slot["function"]["arguments"] += call.get("function", {}).get("arguments") or ""
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
-    if calls:
-        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    raw = parse_raw_response(data)
+    message: dict[str, Any] = {"role": "assistant", "content": raw.text or None}
+    if raw.tool_calls:
+        message["tool_calls"] = [
+            {"id": i, "type": "function", "function": {"name": name, "arguments": arguments}}
+            for i, name, arguments in raw.tool_calls
+        ]
     return message
 
 
@@ -914,3 +905,29 @@ async def test_an_idle_session_is_let_go_and_its_lease_released(
         again = await complete(http, short_lived, sid, {"model": "scripted-model", "messages": follow})
         assert again.status_code == 200, again.text  # taken up again from the log
         assert not any(e.is_replace for e in await load(log, sid))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"}]',
+        b'{"model":"scripted-model","messages":[{"role":"user","content":[{"type":"image_url","image_url":"x"}]}]}',
+        b'{"model":"scripted-model","messages":[{"role":"tool","tool_call_id":"call_nobody_made","content":"x"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"system","content":"only a system message"}]}',
+        b'{"model":["m"],"messages":[{"role":"user","content":"hi"}]}',
+    ],
+    ids=["not-json", "unloggable-message", "tool-result-without-call", "no-conversation", "model-a-list"],
+)  # fmt: skip
+async def test_a_refused_first_request_creates_no_session(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, body: bytes
+) -> None:
+    sid = new_session_id("rec")
+    reply = await http.post(base(gateway, sid) + "/chat/completions", content=body)
+    assert 400 <= reply.status_code < 500, f"{reply.status_code} {reply.text[:300]}"
+    assert reply.headers["x-should-retry"] == "false"
+    assert await log.header(sid) is None  # nothing visible: no header, no events
+    assert await log.reader.events(sid) == []
+    assert len(provider.received) == 0
+    provider.load([{"text": "first"}])  # and the session can still be created by a good first request
+    good = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    assert (await complete(http, gateway, sid, good)).status_code == 200

@@ -10,7 +10,8 @@ from conftest import FIXTURES_DIR, dsh_header_problem, normalize_fixture
 from sessiongen import SessionBuilder, derived_pairing, text_block, tool_call_block
 
 from sessionlog.errors import InvalidBoundary, OpenTurn
-from sessionlog.fork import END_SEED, check_boundary, next_header_reason, plan_fork, resume_events
+from sessionlog.fork import END_SEED, ForkPlan, check_boundary, next_header_reason, plan_fork, resume_events
+from sessionlog.header import decode_header
 from sessionlog.jsonl import parse_jsonl
 from sessionlog.repair import interrupted_turn_closers
 from sessionlog.session import Session, messages_json
@@ -364,17 +365,24 @@ def test_a_fork_of_a_recorder_style_log_adds_a_seed_without_seq() -> None:
     assert len(Session(plan.events)) == 4
 
 
+def child_header(plan: ForkPlan, child_id: str, parent: dict[str, Any]) -> dict[str, Any]:
+    """The child's header as its bytes decode (the parent given as the JSON its header line holds)."""
+    made = plan.child_header(child_id=child_id, parent=decode_header(msgspec.json.encode(parent)), created_at=NOW_MS)
+    decoded: dict[str, Any] = msgspec.json.decode(made.encode())
+    return decoded
+
+
 def test_a_fork_childs_header_records_its_lineage() -> None:
     b = closed_session()
     plan = plan_fork(b.session, now_ms=NOW_MS)
     parent = {"type": "session", "version": 0, "id": "parent-1", "createdAt": 1, "cwd": "/work", "delegationDepth": 0}
-    header = plan.child_header(child_id="child-1", parent=parent, created_at=NOW_MS)
+    header = child_header(plan, "child-1", parent)
     assert header["type"] == "session" and header["version"] == 0
     assert header["id"] == "child-1" and header["createdAt"] == NOW_MS
     assert header["parentSession"] == "parent-1"
     assert header["seedLength"] == len(b.session)
     assert header["cwd"] == "/work"
-    without_cwd = plan.child_header(child_id="child-2", parent={"id": "parent-1"}, created_at=NOW_MS)
+    without_cwd = child_header(plan, "child-2", {"type": "session", "version": 0, "id": "parent-1", "createdAt": 1})
     assert "cwd" not in without_cwd and without_cwd["parentSession"] == "parent-1"
 
 
@@ -384,7 +392,7 @@ def test_a_fork_childs_header_is_one_dsh_loads_even_from_a_subagent_parent() -> 
     plan = plan_fork(closed_session().session, now_ms=NOW_MS)
     parent = {"type": "session", "version": 0, "id": "sub-1", "createdAt": 1, "cwd": "/work",
               "parentSession": "top-1", "origin": "subagent", "delegationDepth": 2}  # fmt: skip
-    header = plan.child_header(child_id="child-1", parent=parent, created_at=NOW_MS)
+    header = child_header(plan, "child-1", parent)
     assert dsh_header_problem(header) is None, header
     assert "origin" not in header and header["delegationDepth"] == 0
     assert header["parentSession"] == "sub-1" and header["cwd"] == "/work"

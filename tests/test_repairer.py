@@ -31,7 +31,7 @@ from sessiongen import assistant_message_data, closed_turn, user_message_data
 
 from services.repairer.service import RepairerService
 from sessionlog.errors import SessionLogError
-from sessionlog.log import RecordPublisher, SessionLog, SessionWriter
+from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.micro import ERROR_CODE_HEADER, call
 from sessionlog.provision import partition_of
 from sessionlog.repair import interrupted_turn_closers
@@ -200,7 +200,7 @@ async def test_a_writer_that_comes_back_after_the_repair_is_fenced_and_resumes(s
     writer = await stack.create(log)
     await open_turn(writer, [("c1", True)])
     prefix = await log.reader.events(writer.session_id)
-    await writer._lease.stop()  # the process stalls (a long GC, a laptop lid): it stops refreshing its lease
+    await writer.lease.stop()  # the process stalls (a long GC, a laptop lid): it stops refreshing its lease
     closers = await repaired(log, writer.session_id, len(prefix))
 
     result = _result({"turn": 1, "step": 1, "callId": "c1"})
@@ -316,7 +316,7 @@ async def test_the_same_closers_under_the_same_message_id_land_once(stack: Stack
 
     async def publish(via: SessionLog) -> int | str:
         try:
-            return await RecordPublisher(via, writer.session_id, epoch=0).publish(closers, len(session), last, 0)
+            return await via.store.publish(writer.session_id, closers, len(session), last, 0, epoch=0)
         except SessionLogError as err:
             return err.code
 

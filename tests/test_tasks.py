@@ -14,8 +14,8 @@ import pytest
 from nats.js import JetStreamContext
 from natsfixtures import new_session_id
 
-from sessionlog.leases import Lease, Leases
-from sessionlog.log import SessionLog, _LeaseKeeper
+from sessionlog.leases import Lease, LeaseKeeper, Leases
+from sessionlog.log import SessionLog
 from sessionlog.settings import Settings
 from sessionlog.tasks import cancel_and_wait
 
@@ -85,7 +85,7 @@ async def test_a_lease_keeper_stops_even_when_a_refresh_swallows_the_cancel(
     leases = SwallowingLeases(js, provisioned.kv_leases)
     session_id = new_session_id("keeper")
     lease = await leases.acquire(session_id, f"{socket.gethostname()}:{os.getpid()}", 1.0)
-    keeper = _LeaseKeeper(leases, lease, 0.01)
+    keeper = LeaseKeeper(leases, lease, 0.01)
     await asyncio.wait_for(leases.refreshing.wait(), BOUND_S)
 
     await asyncio.wait_for(keeper.stop(), BOUND_S)

@@ -24,6 +24,7 @@ from sessionlog.audit import MESSAGE_DIFFERS, PROVIDER_USAGE_DIFFERS, RAW_STREAM
 from sessionlog.cli import main as cli_main
 from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.micro import call
+from sessionlog.openai_wire import chunk_decoder
 from sessionlog.session import Session
 from sessionlog.settings import Settings
 
@@ -183,12 +184,13 @@ class Agent:
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = msgspec.json.decode(line[6:])
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices", []):
-                    if choice.get("delta", {}).get("content"):
-                        pieces.append(choice["delta"]["content"])
-                    finish = choice.get("finish_reason") or finish
+                chunk = chunk_decoder.decode(line[6:])
+                if chunk.usage is not None:
+                    usage = msgspec.to_builtins(chunk.usage)
+                for choice in chunk.choices or ():
+                    if choice.delta is not None and choice.delta.content:
+                        pieces.append(choice.delta.content)
+                    finish = choice.finish_reason or finish
         if log_text is not None:
             pieces = log_text(pieces)
         if log_usage is not None:

@@ -16,6 +16,7 @@ from hypothesis import given
 from sessiongen import SessionBuilder, generated_sessions, text_block, tool_call_block
 from test_fixtures_corpus import FIXTURE_FILES, FIXTURES_DIR, load_fixture, read_fixture
 
+from sessionlog.audit import audit_session
 from sessionlog.events import SURFACE_TYPES
 from sessionlog.repair import interrupted_turn_closers
 from sessionlog.session import Session
@@ -93,6 +94,21 @@ def _normal(entry: dict[str, Any]) -> dict[str, Any]:
 
 def page_of(transcript: Transcript) -> list[dict[str, Any]]:
     return [_normal(msgspec.json.decode(msgspec.json.encode(e))) for e in transcript.entries]
+
+
+def one_step(*chunks: dict[str, Any]) -> SessionBuilder:
+    """A turn with one step that has streamed `chunks` so far (`llm/retry` for a retry between them)."""
+    b = SessionBuilder()
+    b.turn_start()
+    b.user_message("Say hello.")
+    b.request_header()
+    b.step_start()
+    for chunk in chunks:
+        if chunk["type"] == "llm/retry":
+            b.emit("llm/retry", {"attempt": 1, "delayMs": 250})
+        else:
+            b.chunk(chunk)
+    return b
 
 
 # ---------------------------------------------------------------------------------------------- the corpus
@@ -291,13 +307,9 @@ def test_a_streaming_answer_is_a_stream_entry_until_its_message_replaces_it() ->
 
 
 def test_a_step_that_ends_without_its_message_leaves_a_cut_stream() -> None:
-    b = SessionBuilder()
-    b.turn_start()
-    b.user_message("Say hello.")
-    b.request_header()
-    b.step_start()
-    b.chunk({"type": "block-start", "index": 0, "blockType": "text"})
-    b.chunk({"type": "text-delta", "index": 0, "text": "Hel"})
+    b = one_step(
+        {"type": "block-start", "index": 0, "blockType": "text"}, {"type": "text-delta", "index": 0, "text": "Hel"}
+    )
     b.step_end()
     b.turn_end({"kind": "aborted", "reason": {"kind": "user"}})
     (stream,) = entries_of(build_transcript(b.session), StreamEntry)
@@ -319,3 +331,40 @@ def test_coalesce_merges_deltas_and_keeps_only_the_last_version_of_an_entry() ->
     page_a.apply(updates)
     page_b.apply(merged)
     assert page_a.normalized() == page_b.normalized() == page_of(builder.snapshot())
+
+
+def test_a_stream_whose_block_end_differs_from_its_deltas_shows_what_the_auditor_assembles() -> None:
+    # The transcript showed the deltas ("Hel") and the audit the block-end block ("Hello"): one rule now, the
+    # block-end block once it exists (sessionlog.assembly), live and in the snapshot.
+    b = one_step(
+        {"type": "block-start", "index": 0, "blockType": "text"},
+        {"type": "text-delta", "index": 0, "text": "Hel"},
+        {"type": "block-end", "index": 0, "block": {"type": "text", "text": "Hello"}},
+    )
+    b.step_end()
+    b.turn_end({"kind": "aborted", "reason": {"kind": "user"}})
+    builder = TranscriptBuilder()
+    page = Page()
+    page.apply(builder.extend(b.session))
+    (stream,) = entries_of(builder.snapshot(), StreamEntry)
+    assert stream.blocks[0].text == "Hello" == audit_session(b.session).step_report(1, 1).text
+    assert page.normalized() == page_of(builder.snapshot())
+
+
+def test_a_stream_that_a_retry_splits_between_blocks_pages_as_its_snapshot() -> None:
+    # After an llm/retry the next chunk (block 2) opens a new stream holding only that block: its deltas named chunk
+    # index 2, which a page took as a third position while the snapshot lists the block first (Hypothesis found it).
+    b = one_step(
+        {"type": "block-start", "index": 0, "blockType": "text"},
+        {"type": "text-delta", "index": 0, "text": "one"},
+        {"type": "llm/retry"},
+        {"type": "text-delta", "index": 2, "text": "two"},
+        {"type": "reasoning-delta", "index": 1, "text": "hmm"},
+        {"type": "text-delta", "index": 2, "text": " three"},
+    )
+    builder = TranscriptBuilder()
+    page = Page()
+    page.apply(builder.extend(b.session))
+    assert page.normalized() == page_of(builder.snapshot())
+    streams = entries_of(builder.snapshot(), StreamEntry)
+    assert [[x.text for x in s.blocks] for s in streams] == [["one"], ["hmm", "two three"]]

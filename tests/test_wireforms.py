@@ -8,6 +8,7 @@ import pytest
 
 from sessionlog.errors import UnsupportedContent
 from sessionlog.events import decode_event, encode_new_event
+from sessionlog.openai_wire import ChatCompletionChunk, ChunkChoice, Delta, chunk_decoder, parse_raw_response
 from sessionlog.session import Session
 from sessionlog.wire import header_fields, to_wire
 from sessionlog.wireforms import (
@@ -158,3 +159,19 @@ def test_sse_lines_are_split_across_chunk_boundaries() -> None:
     assert lines.feed(b': 1}\n\ndata: {"b": 2}\n') == [{"a": 1}, {"b": 2}]
     assert not lines.done
     assert lines.feed(b"data: [DONE]\n\n") == [] and lines.done
+    typed = SseLines(chunk_decoder)
+    assert typed.feed(b'data: {"choices": [{"delta": {"content": "hi"}}]}\ndata: {"choices": 3}\n') == [
+        ChatCompletionChunk(choices=[ChunkChoice(delta=Delta(content="hi"))])
+    ]  # the payload that is no chunk is skipped
+
+
+def test_a_payload_that_is_not_a_chat_completions_chunk_is_named_not_half_read() -> None:
+    body = (
+        b'data: {"choices": [{"index": 0, "delta": {"content": "ok"}}]}\n\n'
+        b'data: {"choices": [{"index": 0, "delta": {"content": 5}}]}\n\ndata: [DONE]\n\n'
+    )
+    raw = parse_raw_response(body)
+    assert (raw.text, raw.chunks) == ("ok", 1)
+    assert raw.error is not None and "not a chat-completions chunk" in raw.error and "content" in raw.error
+    assert ResponseAssembler().chunk({"choices": [{"delta": {"content": 5}}]}) == []
+    assert parse_raw_response(b'{"choices": "no"}').error is not None

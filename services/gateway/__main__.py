@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 
@@ -11,6 +10,7 @@ from sessionlog.settings import Settings
 
 from . import serve
 from .config import GatewayConfig
+from .serving import run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_raw_tee:
         config = config.with_(raw_tee=False)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(settings, config))
+        run(serve(settings, config))
     return 0
 
 

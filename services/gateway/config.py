@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from sessionlog.settings import Settings
 
@@ -48,16 +48,13 @@ class GatewayConfig:
             timeout_s=settings.gateway_upstream_timeout_s,
             connect_timeout_s=settings.gateway_upstream_connect_timeout_s,
         )
-        config = cls(
-            host=settings.gateway_host,
-            port=settings.gateway_port,
-            api_key=settings.gateway_api_key,
-            upstream=upstream,
-            derivation=settings.gateway_derivation,
-            derive_wait_s=settings.gateway_derive_wait_s,
-            deriver_timeout_s=settings.gateway_deriver_timeout_s,
-            raw_stream=settings.raw_stream,
-            raw_tee=settings.gateway_raw_tee,
-            metrics_port=settings.metrics_port,
-        )
-        return replace(config, **overrides)
+        taken = {name: getattr(settings, setting) for name, setting in _SETTINGS.items()}
+        return replace(cls(upstream=upstream, **taken), **overrides)
+
+
+# GatewayConfig's fields taken as they are from the settings of these names
+_SETTINGS: Final = dict(
+    host="gateway_host", port="gateway_port", api_key="gateway_api_key", derivation="gateway_derivation",
+    derive_wait_s="gateway_derive_wait_s", deriver_timeout_s="gateway_deriver_timeout_s", raw_stream="raw_stream",
+    raw_tee="gateway_raw_tee", metrics_port="metrics_port",
+)  # fmt: skip

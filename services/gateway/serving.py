@@ -7,11 +7,30 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import uvicorn
 
 from sessionlog.asgi import bind, uvicorn_config
+
+T = TypeVar("T")
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when it is installed, else asyncio's (None). Every HTTP hop of the gateway's request path
+    is event-loop work (socket reads and writes, callbacks, task switches), which uvloop does in C."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
+        return None
+    return uvloop.new_event_loop
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run a gateway process's main coroutine on `loop_factory()`'s loop."""
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(main)
 
 
 class ServerThread:

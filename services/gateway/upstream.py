@@ -1,4 +1,4 @@
-"""The upstream provider: an OpenAI-compatible chat-completions endpoint reached with httpx.
+"""The upstream provider: an OpenAI-compatible chat-completions endpoint reached with the gateway's client (`http1`).
 
 An `Upstream` knows its base URL, API key, model map and timeouts. `open()` sends the exact bytes it is given and
 returns the response with its body still unread (streamed or not), or raises a typed error that the gateway maps to
@@ -12,11 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import msgspec
 
-from sessionlog.errors import SessionLogError, UpstreamTimeout, UpstreamUnreachable
+from sessionlog.errors import SessionLogError, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sessionlog.wire import checked_body
+
+from .http1 import ConnectionPool, Origin, Response, UpstreamIOError, UpstreamReadTimeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,36 +60,35 @@ def gateway_status_for(upstream_status: int) -> int:
     return upstream_status
 
 
-def upstream_transport() -> httpx.AsyncHTTPTransport:
+def upstream_transport() -> ConnectionPool:
     """The connection pool every route shares (HTTP/1.1 keep-alive)."""
-    return httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+    return ConnectionPool(max_idle=64)
 
 
 class Upstream:
     """Sends chat-completions requests to one provider.
 
-    Requests go straight to an httpx transport, not through `httpx.AsyncClient`: the client's layers (URL and header
-    merging, auth and redirect flows, a cookie jar fed from every response) cost about 0.2 ms a request and do
-    nothing here. So no cookies are kept, redirects are not followed (as before) and proxy environment variables are
-    not read (settings are the only configuration). `accept-encoding: identity` because the response bytes are
-    relayed and teed exactly as they arrive, which a compressed body would not survive.
+    Each request is written whole (head and body in one write) on a kept-alive connection of the shared pool. No
+    cookies are kept, redirects are not followed and proxy environment variables are not read (settings are the
+    only configuration). `accept-encoding: identity` because the response bytes are relayed and teed exactly as they
+    arrive, which a compressed body would not survive.
     """
 
-    def __init__(self, config: UpstreamConfig, transport: httpx.AsyncBaseTransport) -> None:
+    def __init__(self, config: UpstreamConfig, pool: ConnectionPool) -> None:
         self.config = config
-        self._transport = transport
-        self._url = httpx.URL(config.url)
-        timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
-        self._extensions = {"timeout": timeout.as_dict()}
+        self._pool = pool
+        self._origin = Origin.parse(config.url)
         headers = {
+            "host": self._origin.host_header,
             "content-type": "application/json",
             "accept": "application/json, text/event-stream",
             "accept-encoding": "identity",
-            "user-agent": f"python-httpx/{httpx.__version__}",  # what httpx.AsyncClient sent
+            "user-agent": "sessionlog-gateway",
         }
         if config.api_key:
             headers["authorization"] = f"Bearer {config.api_key}"
-        self._headers = headers
+        self._head = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
+        self._post = f"POST {self._origin.path} HTTP/1.1\r\n".encode("latin-1") + self._head
 
     @property
     def name(self) -> str:
@@ -104,27 +104,43 @@ class Upstream:
             request = {**request, "model": mapped}
         return checked_body(request, messages)
 
-    async def open(self, body: bytes) -> httpx.Response:
-        """Send the request; the response's body is left unread. Raises `UPSTREAM_TIMEOUT` / `UPSTREAM_UNREACHABLE`."""
-        request = httpx.Request("POST", self._url, content=body, headers=self._headers, extensions=self._extensions)
+    async def _send(self, data: bytes) -> Response:
+        config = self.config
         try:
-            response = await self._transport.handle_async_request(request)
-        except httpx.TimeoutException as exc:
+            return await self._pool.request(
+                self._origin, data, connect_timeout_s=config.connect_timeout_s, timeout_s=config.timeout_s
+            )
+        except UpstreamReadTimeout as exc:
             raise UpstreamTimeout(
-                f"the upstream provider {self.name!r} did not answer within {self.config.timeout_s}s "
-                f"({type(exc).__name__})"
+                f"the upstream provider {self.name!r} did not answer within {config.timeout_s}s ({exc})"
             ) from None
-        except httpx.HTTPError as exc:
-            raise UpstreamUnreachable(
-                f"the upstream provider {self.name!r} cannot be reached: {type(exc).__name__}: {exc}"
-            ) from None
-        response.request = request
-        return response
+        except UpstreamIOError as exc:
+            raise UpstreamUnreachable(f"the upstream provider {self.name!r} cannot be reached: {exc}") from None
+
+    async def open(self, body: bytes) -> Response:
+        """Send the request; the response's body is left unread. Raises `UPSTREAM_TIMEOUT` / `UPSTREAM_UNREACHABLE`."""
+        return await self._send(self._post + b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    async def models(self) -> bytes:
+        """The provider's model list (`GET {base}/models`), as it answers it; a typed error otherwise."""
+        path = self._origin.path.removesuffix("/chat/completions") + "/models"
+        response = await self._send(f"GET {path} HTTP/1.1\r\n".encode("latin-1") + self._head + b"\r\n")
+        try:
+            data = await response.aread()
+        except UpstreamIOError as exc:
+            raise stream_error(exc, self.name, self.config.timeout_s) from None
+        if response.status_code != 200:
+            raise UpstreamError(
+                upstream_error_message(response.status_code, data),
+                status=gateway_status_for(response.status_code),
+                upstream_status=response.status_code,
+            )
+        return data
 
 
 def stream_error(exc: BaseException, name: str, timeout_s: float) -> SessionLogError:
     """The typed error for a failure while reading a response body that had started."""
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, UpstreamReadTimeout):
         return UpstreamTimeout(f"the upstream provider {name!r} sent nothing for {timeout_s}s in the middle of a reply")
     return UpstreamUnreachable(
         f"the upstream provider {name!r} dropped the connection in the middle of a reply ({type(exc).__name__})"

@@ -10,19 +10,17 @@ from typing import Any, ClassVar, Final
 
 import msgspec
 
-from sessionlog.errors import Conflict, InvalidRequest, LeaseHeld, LeaseLost, SessionLogError, SessionNotFound
+from sessionlog.errors import InvalidRequest, LeaseHeld, LeaseLost, SessionLogError, SessionNotFound
 from sessionlog.ids import check_session_id
 from sessionlog.leases import Leases
-from sessionlog.log import RecordPublisher, SessionLog
+from sessionlog.log import SessionLog
 from sessionlog.record import Record
-from sessionlog.repair import interrupted_turn_closers
 from sessionlog.runner import Projection, ProjectionRunner, SessionState
 from sessionlog.services import ProjectionService
 from sessionlog.session import Session
 from sessionlog.tasks import cancel_and_wait
 
 SERVICE: Final = "sessionlog-repair"
-REPAIRER_EPOCH: Final = 0  # every repairer publishes the same closers under the same message id
 RETRY_FIRST_S: Final = 1.0  # a session whose repair failed is tried again after this, doubling up to RETRY_MAX_S
 RETRY_MAX_S: Final = 300.0
 
@@ -126,25 +124,12 @@ class RepairerService(ProjectionService[RepairState]):
             raise SessionNotFound(f"session {session_id} not found")
         lease = await self.leases.acquire(session_id, f"repairer:{self.runner.replica_id}", self.settings.lease_ttl_s)
         try:
-            for _ in range(3):
-                records = await self.log.reader.records(session_id)
-                session = Session([e for r in records for e in r.events])
-                closers = interrupted_turn_closers(session)
-                if not closers:
-                    self.projection.open_turns.pop(session_id, None)
-                    return ()
-                session.copy().extend(closers)  # our own closers pass the same gate as any event
-                publisher = RecordPublisher(self.log, session_id, epoch=REPAIRER_EPOCH)
-                last = records[-1].stream_seq if records else 0
-                try:
-                    await publisher.publish(list(closers), len(session), last, 0)
-                except Conflict:
-                    continue  # someone appended meanwhile: look again
+            closers = await self.log.close_turn(session_id)
+            self.projection.open_turns.pop(session_id, None)
+            if closers:
                 self.repaired.append((session_id, len(closers)))
-                self.projection.open_turns.pop(session_id, None)
                 log.info("repaired session %s: %d closers", session_id, len(closers))
-                return closers
-            raise Conflict(f"session {session_id}: the log kept changing while closing its turn")
+            return closers
         finally:
             with contextlib.suppress(LeaseLost, Exception):
                 await self.leases.release(lease)

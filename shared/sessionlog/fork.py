@@ -6,12 +6,13 @@ caller's job (a JSONL file, or the JetStream writer, which makes the session vis
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final
 
 import msgspec
 
 from .errors import InvalidBoundary, OpenTurn
 from .events import EndSeedData, encode_new_event
+from .header import SessionHeader
 from .repair import interrupted_turn_closers
 from .session import Session
 
@@ -25,17 +26,9 @@ class ForkPlan(msgspec.Struct, frozen=True):
     seed_length: int
     boundary: int | None
 
-    def child_header(self, *, child_id: str, parent: dict[str, Any], created_at: int) -> dict[str, Any]:
-        """The child's session header: lineage from the parent (`id`, `cwd`) and the seed length, as dsh's own fork
-        writes it. No `origin` (dsh reads only "subagent" there and refuses the file otherwise) and
-        `delegationDepth` 0: a fork is not a delegation, whatever the parent's depth (2026-12-03)."""
-        header: dict[str, Any] = {"type": "session", "version": 0, "id": child_id, "createdAt": created_at}
-        if parent.get("cwd") is not None:
-            header["cwd"] = parent["cwd"]
-        header["parentSession"] = parent["id"]
-        header["seedLength"] = self.seed_length
-        header["delegationDepth"] = 0
-        return header
+    def child_header(self, *, child_id: str, parent: SessionHeader, created_at: int) -> SessionHeader:
+        """The child's session header with this plan's seed length (`SessionHeader.child` says what it keeps)."""
+        return parent.child(child_id, seed_length=self.seed_length, created_at=created_at)
 
 
 def check_boundary(session: Session, boundary: object) -> int | None:

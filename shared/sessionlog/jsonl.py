@@ -1,11 +1,11 @@
-"""JSONL session files (SPEC section 9): the header line, packed chunk rows, torn tails, plain and zstd.
+"""JSONL session files (SPEC section 9): the header line, torn tails, plain and zstd.
 
 This module owns the file form of a log and nothing else. Reading turns a file into its `SessionHeader`
-and the list of event bytes, unpacking `text-chunks`, `reasoning-chunks` and `tool-call-chunks` rows into
-one `assistant/chunk` event per element and deciding where a torn write began. Writing packs exactly the
-runs SPEC section 9 allows, atomically, as plain JSONL or as dsh's zstd framing (the header line alone in
-the first frame, then frames of event lines). Each line is parsed only as far as `type` and `seq`; the
-events themselves are validated by the session (`events.decode_event`), never here.
+(`header.py`) and the list of event bytes, unpacking `text-chunks`, `reasoning-chunks` and `tool-call-chunks`
+rows (`chunkrows.py`) into one `assistant/chunk` event per element and deciding where a torn write began.
+Writing packs exactly the runs SPEC section 9 allows, atomically, as plain JSONL or as dsh's zstd framing (the
+header line alone in the first frame, then frames of event lines). Each line is parsed only as far as `type` and
+`seq`; the events themselves are validated by the session (`events.decode_event`), never here.
 
 Decisions (2026-05):
 - A file's first event decides its style: with a `seq` every event must carry its position as `seq`;
@@ -26,122 +26,24 @@ import re
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import suppress
-from functools import lru_cache
-from itertools import pairwise
 from pathlib import Path
-from typing import Annotated, Any, Final, NamedTuple
+from typing import Any, Final
 
 import msgspec
 import zstandard
-from msgspec import UNSET, Meta, Struct, UnsetType
+from msgspec import UNSET, Struct
 
-from .errors import Conflict, CorruptLog, EventTooDeep, InvalidEvent, UnsupportedVersion
-from .events import MAX_EVENT_DEPTH, encode_new_event
+from .chunkrows import ROW_CHUNK_TYPES, ChunkRow, MalformedRow, decode_row, pack_events, unpack_row
+from .errors import Conflict, CorruptLog, EventTooDeep, InvalidEvent
+from .events import MAX_EVENT_DEPTH
+from .header import SessionHeader, decode_header, encode_header
 
-NonNegInt = Annotated[int, Meta(ge=0)]
 PathLike = str | os.PathLike[str]
 
-SUPPORTED_VERSION: Final = 0
 ZSTD_MAGIC: Final = b"\x28\xb5\x2f\xfd"
 ZSTD_SUFFIXES: Final = (".zstd", ".zst")
-MIN_PACKED_RUN: Final = 3
 ZSTD_FRAME_LINES: Final = 1000
 ZSTD_FRAME_BYTES: Final = 1 << 20
-
-ROW_CHUNK_TYPES: Final[dict[str, str]] = {
-    "text-chunks": "text-delta",
-    "reasoning-chunks": "reasoning-delta",
-    "tool-call-chunks": "tool-call-delta",
-}
-_CHUNK_ROW_TYPES: Final = {chunk: row for row, chunk in ROW_CHUNK_TYPES.items()}
-_TOOL_DELTA: Final = "tool-call-delta"
-
-# ---------------------------------------------------------------------------------------------- header
-
-
-class SessionHeader(
-    Struct,
-    frozen=True,
-    kw_only=True,
-    rename="camel",
-    omit_defaults=True,
-    tag="session",
-    tag_field="type",
-):
-    """The header line. `type` is the tag ("session"), so it is checked on decode and always encoded."""
-
-    version: int
-    id: str
-    created_at: int
-    cwd: str | UnsetType = UNSET
-    parent_session: str | UnsetType = UNSET
-    seed_length: NonNegInt | UnsetType = UNSET
-    origin: Any = UNSET
-    delegation_depth: NonNegInt = 0
-    agent_preset: Any = UNSET
-
-    @property
-    def type(self) -> str:
-        return "session"
-
-
-class _HeaderOut(Struct, kw_only=True, rename="camel", omit_defaults=True, tag="session", tag_field="type"):
-    """The header as this library writes it: SPEC key order, `delegationDepth` always present."""
-
-    version: int
-    id: str
-    created_at: int
-    cwd: str | UnsetType = UNSET
-    parent_session: str | UnsetType = UNSET
-    seed_length: int | UnsetType = UNSET
-    origin: Any = UNSET
-    delegation_depth: int
-    agent_preset: Any = UNSET
-
-
-class _HeaderProbe(Struct, gc=False):
-    type: Any = UNSET
-    version: Any = UNSET
-
-
-def encode_header(header: SessionHeader) -> bytes:
-    """The bytes of a new header line (no newline), in the key order of SPEC section 9."""
-    return _encoder.encode(_HeaderOut(**msgspec.structs.asdict(header)))
-
-
-def decode_header(line: bytes) -> SessionHeader:
-    """Validate a header line. Raises `InvalidEvent` (seq None; bytes that are not UTF-8 too), `EventTooDeep`
-    (nested past the recursion limit) or `UnsupportedVersion`."""
-    if not line.isascii():
-        try:
-            line.decode()
-        except UnicodeDecodeError as exc:
-            raise InvalidEvent(f"line 1: the session header is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        probe = _header_probe_decoder.decode(line)
-    except msgspec.DecodeError:
-        raise InvalidEvent(
-            f'line 1: expected a session header {{"type":"session","version":0,...}}, got {_preview(line)}'
-        ) from None
-    except RecursionError:  # no header field nests; only a hostile file gets this far
-        raise EventTooDeep("line 1: the session header nests deeper than a reader can follow") from None
-    if probe.type != "session":
-        got = "no type" if probe.type is UNSET else f"type {probe.type!r}"
-        raise InvalidEvent(f'line 1: expected a session header (type "session"), got {got}')
-    if type(probe.version) is not int:
-        raise InvalidEvent(f"line 1: session header version must be an integer, got {probe.version!r}")
-    if probe.version != SUPPORTED_VERSION:
-        raise UnsupportedVersion(
-            f"line 1: session header version {probe.version}; this build reads version {SUPPORTED_VERSION}"
-        )
-    try:
-        return _header_decoder.decode(line)
-    except msgspec.ValidationError as exc:
-        raise InvalidEvent(f"line 1: session header: {exc}") from None
-    except msgspec.DecodeError as exc:  # invalid UTF-8 in a string the probe skipped
-        raise InvalidEvent(f"line 1: session header: {exc}") from None
-    except RecursionError:
-        raise EventTooDeep("line 1: the session header nests deeper than a reader can follow") from None
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -184,150 +86,8 @@ class _Line(Struct, gc=False):
     seq: Any = UNSET
 
 
-class _RowData(Struct, gc=False):
-    turn: int
-    step: int
-    index: int
-    dt: list[int]
-    texts: list[str] | UnsetType = UNSET
-    args: list[str] | UnsetType = UNSET
-    id: str | UnsetType = UNSET
-    name: str | UnsetType = UNSET
-
-
-class _Row(Struct, gc=False):
-    type: str
-    data: _RowData
-    seq0: int | UnsetType = UNSET
-    time0: int | UnsetType = UNSET
-
-
-class _Unparsable(Exception):
-    pass
-
-
-_encoder: Final = msgspec.json.Encoder()
-_header_probe_decoder: Final = msgspec.json.Decoder(_HeaderProbe)
-_header_decoder: Final = msgspec.json.Decoder(SessionHeader)
 _line_decoder: Final = msgspec.json.Decoder(_Line)
-_row_decoder: Final = msgspec.json.Decoder(_Row)
 _TURN_END_RE: Final = re.compile(rb'"type"\s*:\s*"turn/end"')
-
-
-def _preview(line: bytes, limit: int = 60) -> str:
-    if not line:
-        return "an empty line"
-    text = line[:limit].decode("utf-8", "replace")
-    return repr(text + ("..." if len(line) > limit else ""))
-
-
-def encode_delta_event(
-    chunk_type: str,
-    turn: int,
-    step: int,
-    index: int,
-    part: str,
-    *,
-    call_id: str | None = None,
-    name: str | None = None,
-    seq: int | None,
-    time: int | None,
-) -> bytes:
-    """The bytes of one unpacked delta: `assistant/chunk` with data {turn, step, chunk} in that order."""
-    chunk: dict[str, Any]
-    if chunk_type == _TOOL_DELTA:
-        chunk = {"type": chunk_type, "index": index, "id": call_id}
-        if name is not None:
-            chunk["name"] = name
-        chunk["argumentsDelta"] = part
-    else:
-        chunk = {"type": chunk_type, "index": index, "text": part}
-    return encode_new_event("assistant/chunk", {"turn": turn, "step": step, "chunk": chunk}, seq=seq, time=time)
-
-
-def _decode_row(line: bytes, row_type: str) -> _Row:
-    try:
-        row = _row_decoder.decode(line)
-    except msgspec.DecodeError as exc:
-        raise _Unparsable(f"malformed {row_type} row: {exc}") from None
-    data = row.data
-    if row_type == "tool-call-chunks":
-        members = data.args
-        if data.id is UNSET:
-            raise _Unparsable(f"malformed {row_type} row: no `id`")
-    else:
-        members = data.texts
-    if members is UNSET:
-        raise _Unparsable(f"malformed {row_type} row: no `{'args' if row_type == 'tool-call-chunks' else 'texts'}`")
-    if not members:
-        raise _Unparsable(f"malformed {row_type} row: no chunks")
-    if len(data.dt) != len(members) - 1:
-        raise _Unparsable(
-            f"malformed {row_type} row: `dt` has {len(data.dt)} entries for {len(members)} chunks "
-            f"(expected {len(members) - 1})"
-        )
-    return row
-
-
-# A placeholder no JSON string of a real chunk equals; delta events are spliced around its encoding.
-_PART: Final = "\x00sessionlog-part\x00"
-_PART_JSON: Final = msgspec.json.encode(_PART)
-
-
-@lru_cache(maxsize=1024)
-def _delta_template(
-    chunk_type: str, turn: int, step: int, index: int, call_id: str | None, name: str | None
-) -> tuple[bytes, bytes] | None:
-    """The bytes of a delta event before and after its part (without the opening brace), or None.
-
-    The deltas of a row share every byte but seq, time and the part, so the event is encoded once through
-    `encode_new_event` around a placeholder and then spliced: this doubles the speed of unpacking.
-    """
-    template = encode_delta_event(chunk_type, turn, step, index, _PART, call_id=call_id, name=name, seq=None, time=None)
-    pieces = template.split(_PART_JSON)
-    if len(pieces) != 2 or not template.startswith(b'{"type":'):
-        return None
-    return pieces[0][1:], pieces[1]
-
-
-def _envelope(seq: int | None, time: int | None) -> bytes:
-    """The opening of an event in `encode_new_event`'s key order: seq, time, then type."""
-    if seq is None:
-        return b"{" if time is None else b'{"time":%d,' % time
-    if time is None:
-        return b'{"seq":%d,' % seq
-    return b'{"seq":%d,"time":%d,' % (seq, time)
-
-
-def _unpack_row(row: _Row, out: list[bytes]) -> None:
-    data = row.data
-    chunk_type = ROW_CHUNK_TYPES[row.type]
-    members = data.args if chunk_type == _TOOL_DELTA else data.texts
-    assert not isinstance(members, UnsetType)  # _decode_row checked
-    call_id = None if isinstance(data.id, UnsetType) else data.id
-    name = None if isinstance(data.name, UnsetType) else data.name
-    seq0 = None if isinstance(row.seq0, UnsetType) else row.seq0
-    time = None if isinstance(row.time0, UnsetType) else row.time0
-    dt = data.dt
-    template = _delta_template(chunk_type, data.turn, data.step, data.index, call_id, name)
-    append = out.append
-    if template is None:
-        for k, part in enumerate(members):
-            if k and time is not None:
-                time += dt[k - 1]
-            seq = None if seq0 is None else seq0 + k
-            append(
-                encode_delta_event(
-                    chunk_type, data.turn, data.step, data.index, part, call_id=call_id, name=name, seq=seq, time=time
-                )
-            )
-        return
-    body, tail = template
-    parts = _encoder.encode_lines(members).split(b"\n")
-    for k in range(len(members)):
-        if k and time is not None:
-            time += dt[k - 1]
-        append(b"".join((_envelope(None if seq0 is None else seq0 + k, time), body, parts[k], tail)))
 
 
 def _holds_turn_end(line: bytes) -> bool:
@@ -424,11 +184,11 @@ def _parse(data: bytes, *, compressed: bool, stream_problem: str | None) -> Json
             raise EventTooDeep(f"line {i + 1} nests more than {MAX_EVENT_DEPTH} levels of JSON", seq=i - 1) from None
         kind = head.type
         seq: Any = head.seq
-        row: _Row | None = None
+        row: ChunkRow | None = None
         if kind in ROW_CHUNK_TYPES:
             try:
-                row = _decode_row(line, kind)
-            except _Unparsable as exc:
+                row = decode_row(line, kind)
+            except MalformedRow as exc:
                 tear = (i, str(exc))
                 break
             seq = row.seq0
@@ -449,7 +209,7 @@ def _parse(data: bytes, *, compressed: bool, stream_problem: str | None) -> Json
         if row is None:
             append(line)
         else:
-            _unpack_row(row, events)
+            unpack_row(row, events)
 
     torn: TornTail | None = None
     good_size = len(data)
@@ -484,146 +244,6 @@ def _parse(data: bytes, *, compressed: bool, stream_problem: str | None) -> Json
 
 
 # ---------------------------------------------------------------------------------------------- packing
-
-
-class _DeltaChunk(Struct, rename="camel", gc=False):
-    type: str
-    index: int
-    text: str | UnsetType = UNSET
-    id: str | UnsetType = UNSET
-    name: str | UnsetType = UNSET
-    arguments_delta: str | UnsetType = UNSET
-
-
-class _DeltaData(Struct, gc=False):
-    turn: int
-    step: int
-    chunk: _DeltaChunk
-
-
-class _DeltaEvent(Struct, gc=False):
-    type: str
-    data: _DeltaData
-    seq: int | UnsetType = UNSET
-    time: int | UnsetType = UNSET
-
-
-_delta_decoder: Final = msgspec.json.Decoder(_DeltaEvent)
-_CHUNK_MARK: Final = b'"type":"assistant/chunk"'
-
-
-class _Member(NamedTuple):
-    """A delta event that unpacking would reproduce byte for byte: it may join a packed row."""
-
-    chunk_type: str
-    turn: int
-    step: int
-    block_index: int
-    call_id: str | None
-    name: str | None
-    seq: int | None
-    time: int | None
-    part: str
-    raw: bytes
-
-
-def _member(raw: bytes) -> _Member | None:
-    # Only an event in the canonical layout can pack, and there the type follows seq and time at once:
-    # looking at the first bytes keeps big non-chunk events (tool results) from being scanned whole.
-    if raw.find(_CHUNK_MARK, 0, 128) < 0:
-        return None
-    try:
-        event = _delta_decoder.decode(raw)
-    except msgspec.DecodeError:
-        return None
-    chunk = event.data.chunk
-    call_id: str | None = None
-    name: str | None = None
-    if event.type != "assistant/chunk" or chunk.type not in _CHUNK_ROW_TYPES:
-        return None
-    if chunk.type == _TOOL_DELTA:
-        if isinstance(chunk.id, UnsetType) or isinstance(chunk.arguments_delta, UnsetType):
-            return None
-        part, call_id = chunk.arguments_delta, chunk.id
-        name = None if isinstance(chunk.name, UnsetType) else chunk.name
-    elif isinstance(chunk.text, UnsetType):
-        return None
-    else:
-        part = chunk.text
-    seq = None if isinstance(event.seq, UnsetType) else event.seq
-    time = None if isinstance(event.time, UnsetType) else event.time
-    turn, step, index = event.data.turn, event.data.step, chunk.index
-    # The one test that makes packing lossless: any extra key, other key order or other spelling differs.
-    template = _delta_template(chunk.type, turn, step, index, call_id, name)
-    if template is None:
-        rebuilt = encode_delta_event(
-            chunk.type, turn, step, index, part, call_id=call_id, name=name, seq=seq, time=time
-        )
-    else:
-        rebuilt = b"".join((_envelope(seq, time), template[0], _encoder.encode(part), template[1]))
-    if rebuilt != raw:
-        return None
-    return _Member(chunk.type, turn, step, index, call_id, name, seq, time, part, raw)
-
-
-def _continues(prev: _Member, cur: _Member) -> bool:
-    if prev[:6] != cur[:6]:
-        return False
-    if (prev.seq is None) != (cur.seq is None) or (prev.time is None) != (cur.time is None):
-        return False
-    if prev.seq is not None and cur.seq != prev.seq + 1:
-        return False
-    return prev.time is None or cur.time is None or cur.time >= prev.time
-
-
-def _encode_row(run: list[_Member]) -> bytes:
-    first = run[0]
-    # A run has times on all its members or on none (`_continues`).
-    times = [m.time for m in run if m.time is not None]
-    dt = [cur - prev for prev, cur in pairwise(times)] if times else [0] * (len(run) - 1)
-    parts = [m.part for m in run]
-    data: dict[str, Any] = {"turn": first.turn, "step": first.step, "index": first.block_index, "dt": dt}
-    if first.chunk_type == _TOOL_DELTA:
-        data["id"] = first.call_id
-        if first.name is not None:
-            data["name"] = first.name
-        data["args"] = parts
-    else:
-        data["texts"] = parts
-    row: dict[str, Any] = {"type": _CHUNK_ROW_TYPES[first.chunk_type]}
-    if first.seq is not None:
-        row["seq0"] = first.seq
-    if first.time is not None:
-        row["time0"] = first.time
-    row["data"] = data
-    return _encoder.encode(row)
-
-
-def _flush(run: list[_Member]) -> Iterator[bytes]:
-    if len(run) >= MIN_PACKED_RUN:
-        yield _encode_row(run)
-    else:
-        for member in run:
-            yield member.raw
-
-
-def pack_events(events: Iterable[bytes]) -> Iterator[bytes]:
-    """The lines that stand for `events`: every maximal run of at least three packable deltas (consecutive
-    seqs, same turn, step, block index, and id and name for tool calls) becomes one chunk row; every other
-    event is its own bytes. Unpacking the result gives back exactly `events`."""
-    run: list[_Member] = []
-    for raw in events:
-        member = _member(raw)
-        if member is not None and run and _continues(run[-1], member):
-            run.append(member)
-            continue
-        yield from _flush(run)
-        if member is None:
-            run = []
-            yield raw
-        else:
-            run = [member]
-    yield from _flush(run)
 
 
 def _checked(events: Iterable[bytes]) -> Iterator[bytes]:
@@ -809,3 +429,20 @@ def truncate_torn_tail(path: PathLike, log: JsonlLog | None = None) -> JsonlLog:
         f.flush()
         os.fsync(f.fileno())
     return fresh
+
+
+__all__ = [
+    "JsonlLog",
+    "PathLike",
+    "SessionHeader",
+    "TornTail",
+    "append_jsonl",
+    "decode_header",
+    "encode_header",
+    "encode_jsonl",
+    "pack_events",
+    "parse_jsonl",
+    "read_jsonl",
+    "truncate_torn_tail",
+    "write_jsonl",
+]

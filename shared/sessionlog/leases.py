@@ -14,6 +14,8 @@ it) and grows with every takeover, so a record's `Sessionlog-Writer` header tell
 nats-py's KV `create(msg_ttl=...)` is not used: it writes `str(int(ttl))` (0.5 s silently becomes "no TTL") and
 its create does not treat a server marker as a deleted key. The writes here set the headers themselves.
 
+`LeaseKeeper` holds a writer's lease: it refreshes it in the background and tells the writer when it is lost.
+
 Note (2026-12): JetStream's per-message TTL counts whole seconds, at least 1 s ("500ms" is refused as an invalid
 TTL, "1500ms" is cut to 1 s). A lease TTL is therefore rounded up to whole seconds; sub-second leases do not
 exist, and tests use 1 s.
@@ -22,8 +24,11 @@ exist, and tests use 1 s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -33,6 +38,9 @@ from nats.js.api import RawStreamMsg
 
 from sessionlog.availability import translates_unavailable
 from sessionlog.errors import JS_WRONG_LAST_SEQUENCE, LeaseHeld, LeaseLost
+from sessionlog.tasks import cancel_and_wait
+
+log = logging.getLogger("sessionlog.writer")
 
 HDR_TTL = "Nats-TTL"
 HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
@@ -186,3 +194,114 @@ class Leases:
             f"lease of {lease.key}: epoch {lease.epoch} of {lease.holder!r} was taken over by "
             f"{now.holder!r} (epoch {now.epoch})"
         )
+
+
+class LeaseKeeper:
+    """Holds a writer's lease: refreshes it in the background, knows when it may have lapsed, reports its loss.
+
+    A refresh that fails for want of an answer is retried at once (with a short backoff), not a refresh interval
+    later: a lease outlives `ttl - interval` seconds without one, and that margin is what covers a leader
+    election. `confirmed_at` is when the last write that landed was sent, so the server's expiry is no earlier
+    than `confirmed_at + ttl`: a lease is *overdue* past that, and the writer confirms it before publishing.
+    """
+
+    def __init__(self, leases: Leases, lease: Lease, interval_s: float, *, acquired_at: float | None = None) -> None:
+        self._leases = leases
+        self.lease = lease
+        self._interval = interval_s
+        self._callbacks: list[Callable[[str], None]] = []
+        self._stopping = False
+        self._lock = asyncio.Lock()  # one refresh at a time: the loop's and a writer's `confirm()`
+        self.confirmed_at = time.monotonic() if acquired_at is None else acquired_at  # when the acquire was sent
+        self._task: asyncio.Task[None] | None = asyncio.create_task(self._run(), name=f"lease-{lease.key}")
+
+    @property
+    def epoch(self) -> int:
+        return self.lease.epoch
+
+    @property
+    def overdue(self) -> bool:
+        """Whether the lease may have expired on the server (it was not refreshed within its TTL)."""
+        return time.monotonic() - self.confirmed_at >= self.lease.ttl_s
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        self._callbacks.append(callback)
+
+    async def _run(self) -> None:
+        # The flag, not only the cancel, ends the loop: a cancel that lands with a refresh reply can be swallowed.
+        delay = 0.0
+        while True:
+            await asyncio.sleep(delay or max(0.0, self.confirmed_at + self._interval - time.monotonic()))
+            if self._stopping:
+                return
+            try:
+                await self.confirm()
+                delay = 0.0
+            except LeaseLost as err:
+                for callback in self._callbacks:
+                    callback(err.message)
+                return
+            except Exception as err:  # no answer: try again soon; the TTL decides whether it is lost
+                log.warning("lease refresh for %s failed: %s", self.lease.key, err)
+                delay = min(max(0.1, delay * 2), 1.0)
+
+    async def confirm(self) -> None:
+        """Refresh the lease now; `LeaseLost` naming the cause when it expired or was taken over."""
+        async with self._lock:
+            sent = time.monotonic()
+            unrefreshed = sent - self.confirmed_at
+            try:
+                self.lease = await self._leases.refresh(self.lease)
+            except LeaseLost as err:
+                # A refresh whose ack was lost may still have landed: then the lease is ours at a newer revision.
+                current = await self._still_ours()
+                if current is None:
+                    raise LeaseLost(self._cause(err, unrefreshed)) from None
+                self.lease = current
+            self.confirmed_at = sent
+
+    def _cause(self, err: LeaseLost, unrefreshed: float) -> str:
+        if unrefreshed < self.lease.ttl_s:
+            return err.message
+        return (
+            f"{err.message}: it was not refreshed for {unrefreshed:.1f}s, past its {self.lease.ttl_s:g}s TTL (the "
+            "event loop was blocked, for example by a synchronous call, the process was paused, or the log did "
+            "not answer)"
+        )
+
+    async def lost(self) -> str | None:
+        """Why the lease is no longer this holder's, asking the server; None while it still is (or no answer)."""
+        try:
+            await self.confirm()
+        except LeaseLost as err:
+            return err.message
+        except Exception:
+            return None
+        return None
+
+    async def _still_ours(self) -> Lease | None:
+        """The lease as it stands now if it is still this holder's tenure (a write whose answer was lost may have
+        landed at a newer revision), else None."""
+        try:
+            current = await self._leases.current(self.lease.key)
+        except Exception:
+            return None
+        if current is None or current.holder != self.lease.holder or current.epoch != self.lease.epoch:
+            return None
+        return current
+
+    async def stop(self) -> None:
+        self._stopping = True
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
+
+    async def release(self) -> None:
+        await self.stop()
+        try:
+            await self._leases.release(self.lease)
+        except LeaseLost:
+            # A refresh cancelled in flight may have landed after all: the lease is then ours at its newer revision.
+            current = await self._still_ours()
+            if current is not None:
+                with contextlib.suppress(LeaseLost):
+                    await self._leases.release(current)

@@ -13,20 +13,19 @@ is in doubt and is settled by the next publish, as in the async writer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
-from collections.abc import Coroutine
-from typing import Any, Self, TypeVar
-
-from msgspec import UNSET
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
 from .errors import SessionLogError
-from .events import Event, Message
 from .log import SessionLog, SessionWriter
 from .record import Record
 from .session import Session
 from .settings import Settings
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class _LoopThread:
@@ -129,6 +128,18 @@ class SyncSessionLog:
         self.close()
 
 
+def _on_loop(
+    method: Callable[Concatenate[SessionWriter, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[SyncSessionWriter, P], T]:
+    """A `SessionWriter` coroutine method as a method of the sync writer that runs it on the loop and waits."""
+
+    @functools.wraps(method)
+    def call(self: SyncSessionWriter, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._thread.run(method(self.writer, *args, **kwargs))
+
+    return call
+
+
 class SyncSessionWriter:
     """One session's writer for synchronous code; its lease is refreshed on the background loop."""
 
@@ -158,33 +169,11 @@ class SyncSessionWriter:
     def epoch(self) -> int:
         return self.writer.epoch
 
-    def append(self, raw: bytes) -> Event:
-        """Validate one event and queue it (see `SessionWriter.append`)."""
-        return self._thread.run(self.writer.append(raw))
-
-    def emit(
-        self,
-        event_type: str,
-        data: Any,
-        *,
-        surface_op: Any = UNSET,
-        source_event_seqs: Any = UNSET,
-        time_ms: int | None = None,
-    ) -> Event:
-        """Encode a new event (seq and time filled in) and queue it."""
-        return self._thread.run(
-            self.writer.emit(
-                event_type, data, surface_op=surface_op, source_event_seqs=source_event_seqs, time_ms=time_ms
-            )
-        )
-
-    def compact(self, start: int, end: int, summary: str | Message, *, message_id: str | None = None) -> Event:
-        """Replace surface nodes start..end with a summary (see `SessionWriter.compact`)."""
-        return self._thread.run(self.writer.compact(start, end, summary, message_id=message_id))
-
-    def flush(self) -> int:
-        """Wait until everything queued is acknowledged; the last durable seq."""
-        return self._thread.run(self.writer.flush())
+    # The writer's own methods, each run on the loop: one signature and one docstring, the async writer's.
+    append = _on_loop(SessionWriter.append)
+    emit = _on_loop(SessionWriter.emit)
+    compact = _on_loop(SessionWriter.compact)
+    flush = _on_loop(SessionWriter.flush)
 
     def close(self) -> None:
         """Flush, stop and release the lease."""

@@ -26,10 +26,8 @@ its canonical form, and `request_header` turns a request's model, system message
 the `request/header` whose `header_fields` give them back (tools keep `strict`; a field is logged under its
 camelCase name, which the wire conversion turns back into the client's snake_case name).
 
-Responses: `ResponseAssembler` turns an OpenAI response (streamed chunks or one completion object) into dsh's
-stream chunks (SPEC 3: block-start, text-delta, reasoning-delta, tool-call-delta, block-end, usage, finish) and the
-assembled message. It is the one assembler of OpenAI responses into events (`sessionlog.agent` and the gateway's
-record mode both use it).
+Responses are not here: the OpenAI response Structs and `ResponseAssembler` live in `sessionlog.openai_wire`
+(re-exported here for the callers that import them from this module).
 """
 
 from __future__ import annotations
@@ -41,15 +39,10 @@ from typing import Any, Final
 import msgspec
 
 from .errors import UnsupportedContent
+from .openai_wire import OPENAI_FINISH, ResponseAssembler, SseLines, usage_of
 
 _encoder: Final = msgspec.json.Encoder(order="sorted")
 
-OPENAI_FINISH: Final = {
-    "stop": "stop",
-    "tool_calls": "tool-calls",
-    "length": "max-tokens",
-    "function_call": "tool-calls",
-}
 TRANSPORT_FIELDS: Final = frozenset({"stream", "stream_options"})
 _SNAKE_FIELD: Final = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
 _TOOL_KEYS: Final = ("name", "description", "parameters", "strict")
@@ -233,181 +226,6 @@ def wire_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
     """A header tool's wire form: `{"type": "function", "function": {name, description?, parameters?, strict?}}`."""
     function = {k: tool[k] for k in _TOOL_KEYS if tool.get(k) is not None}
     return {"type": "function", "function": function}
-
-
-# ---------------------------------------------------------------------------------------------- responses
-
-
-def usage_of(usage: Any) -> dict[str, int] | None:
-    """The logged Usage (SPEC 3) of an OpenAI `usage` object, or None when it gives no token counts."""
-    if not isinstance(usage, dict):
-        return None
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    if type(prompt) is not int or type(completion) is not int:
-        return None
-    out = {"inputTokens": prompt, "outputTokens": completion}
-    details = usage.get("prompt_tokens_details")
-    cached = usage.get("prompt_cache_hit_tokens")
-    if cached is None and isinstance(details, dict):
-        cached = details.get("cached_tokens")
-    if type(cached) is int:
-        out["cacheReadTokens"] = cached
-    completion_details = usage.get("completion_tokens_details")
-    reasoning = completion_details.get("reasoning_tokens") if isinstance(completion_details, dict) else None
-    if type(reasoning) is int:
-        out["reasoningTokens"] = reasoning
-    return out
-
-
-class ResponseAssembler:
-    """An OpenAI chat-completions response, chunk by chunk, as dsh's stream chunks and the assembled message.
-
-    `chunk(obj)` takes one parsed SSE chunk and returns the dsh chunks it gives (block-start when a block begins,
-    then its delta); `end()` returns the closing chunks (block-end of every block in order, usage when the stream
-    carried it, finish). `content()` is the message's blocks in block order, `calls()` the tool calls. A block opens
-    when its first delta arrives: reasoning, text, and each tool call (by its `index`) are blocks of their own.
-    Only choice 0 is read.
-    """
-
-    __slots__ = ("_blocks", "_calls", "_finish", "_keys", "_texts", "usage")
-
-    def __init__(self) -> None:
-        self._keys: dict[str, int] = {}  # "reasoning" / "text" / "call<N>" -> block index
-        self._blocks: list[str] = []
-        self._texts: dict[str, list[str]] = {}
-        self._calls: dict[int, dict[str, str]] = {}
-        self._finish: str | None = None
-        self.usage: dict[str, int] | None = None
-
-    def _open(self, key: str, block_type: str, out: list[dict[str, Any]]) -> int:
-        index = self._keys.get(key)
-        if index is None:
-            index = self._keys[key] = len(self._blocks)
-            self._blocks.append(key)
-            out.append({"type": "block-start", "index": index, "blockType": block_type})
-        return index
-
-    def chunk(self, obj: Any) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        if not isinstance(obj, dict):
-            return out
-        usage = usage_of(obj.get("usage"))
-        if usage is not None:
-            self.usage = usage
-        for choice in obj.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning_content")
-            if isinstance(reasoning, str) and reasoning:
-                index = self._open("reasoning", "reasoning", out)
-                self._texts.setdefault("reasoning", []).append(reasoning)
-                out.append({"type": "reasoning-delta", "index": index, "text": reasoning})
-            text = delta.get("content")
-            if isinstance(text, str) and text:
-                index = self._open("text", "text", out)
-                self._texts.setdefault("text", []).append(text)
-                out.append({"type": "text-delta", "index": index, "text": text})
-            for call in delta.get("tool_calls") or ():
-                if isinstance(call, dict):
-                    out += self._call_delta(call)
-            if isinstance(choice.get("finish_reason"), str):
-                self._finish = choice["finish_reason"]
-        return out
-
-    def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        position = call.get("index", 0) if type(call.get("index", 0)) is int else 0
-        slot = self._calls.setdefault(position, {"id": "", "name": "", "arguments": ""})
-        if isinstance(call.get("id"), str) and call["id"]:
-            slot["id"] = call["id"]
-        function: dict[str, Any] = call["function"] if isinstance(call.get("function"), dict) else {}
-        name: str = function["name"] if isinstance(function.get("name"), str) else ""
-        piece: str = function["arguments"] if isinstance(function.get("arguments"), str) else ""
-        if name:
-            slot["name"] = name
-        slot["arguments"] += piece
-        index = self._open(f"call{position}", "tool-call", out)
-        delta: dict[str, Any] = {"type": "tool-call-delta", "index": index, "id": slot["id"], "argumentsDelta": piece}
-        if name:
-            delta["name"] = name
-        out.append(delta)
-        return out
-
-    def completion(self, obj: Any) -> None:
-        """Take a whole (non-streamed) completion object instead of chunks."""
-        if not isinstance(obj, dict):
-            return
-        self.usage = usage_of(obj.get("usage"))
-        for choice in obj.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            message = choice.get("message") or {}
-            delta = {"reasoning_content": message.get("reasoning_content"), "content": message.get("content")}
-            calls = [{**c, "index": i} for i, c in enumerate(message.get("tool_calls") or ()) if isinstance(c, dict)]
-            self.chunk({"choices": [{"index": 0, "delta": {**delta, "tool_calls": calls},
-                                     "finish_reason": choice.get("finish_reason")}]})  # fmt: skip
-
-    def _block(self, key: str) -> dict[str, Any]:
-        if key.startswith("call"):
-            return {"type": "tool-call", **self._calls[int(key[4:])]}
-        return {"type": key, "text": "".join(self._texts.get(key, ()))}
-
-    def content(self) -> list[dict[str, Any]]:
-        return [self._block(key) for key in self._blocks]
-
-    def calls(self) -> list[dict[str, str]]:
-        return [self._calls[i] for i in sorted(self._calls)]
-
-    @property
-    def finish(self) -> str:
-        """The finish kind (dsh's names: `stop`, `tool-calls`, `max-tokens`, or the provider's own)."""
-        if self._calls:
-            return "tool-calls"
-        reason = self._finish or "stop"
-        return OPENAI_FINISH.get(reason, reason)
-
-    @property
-    def finished(self) -> bool:
-        """Whether a finish reason arrived (a stream cut short has none)."""
-        return self._finish is not None
-
-    def end(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = [
-            {"type": "block-end", "index": i, "block": self._block(key)} for i, key in enumerate(self._blocks)
-        ]
-        if self.usage is not None:
-            out.append({"type": "usage", "usage": self.usage})
-        out.append({"type": "finish", "reason": {"kind": self.finish}})
-        return out
-
-
-class SseLines:
-    """Splits a byte stream into the JSON payloads of its SSE `data:` lines, across chunk boundaries."""
-
-    __slots__ = ("_rest", "done")
-
-    def __init__(self) -> None:
-        self._rest = b""
-        self.done = False  # `data: [DONE]` was seen
-
-    def feed(self, data: bytes) -> list[Any]:
-        buffer = self._rest + data if self._rest else data
-        lines = buffer.split(b"\n")
-        self._rest = lines.pop()
-        out: list[Any] = []
-        for line in lines:
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                self.done = True
-            elif payload:
-                try:
-                    out.append(msgspec.json.decode(payload))
-                except msgspec.DecodeError:
-                    continue  # not ours to judge: the audit compares the raw bytes
-        return out
 
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 import typer
@@ -14,9 +14,9 @@ from ..errors import InvalidBoundary, SessionAlreadyExists, SessionNotFound
 from ..fork import plan_fork
 from ..ids import check_session_id
 from ..jsonl import JsonlLog, append_jsonl, read_jsonl, truncate_torn_tail, write_jsonl
-from ..render import transcript_entries, transcript_text
 from ..repair import interrupted_turn_closers
 from ..session import Session, messages_json
+from ..transcript import build_transcript, logged_entries, transcript_plain
 
 FileArg = Annotated[Path, typer.Argument(help="A session log: .jsonl or .jsonl.zstd", show_default=False)]
 AtOpt = Annotated[
@@ -64,12 +64,12 @@ def transcript(
     at: AtOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="A JSON array; each entry carries its seq.")] = False,
 ) -> None:
-    """Print the transcript as the user saw it (append-origin events; compaction never removes a line)."""
-    _, session = load(file, at)
+    """Print the transcript as the user saw it (the UI's transcript as text; compaction never removes a line)."""
+    log, session = load(file, at)
     if as_json:
-        _write(msgspec.json.encode(transcript_entries(session)) + b"\n")
+        _write(msgspec.json.encode(logged_entries(session)) + b"\n")
     else:
-        typer.echo(transcript_text(session), nl=False)
+        typer.echo(transcript_plain(build_transcript(session, log.header_raw)), nl=False)
 
 
 def repair(
@@ -109,10 +109,9 @@ def fork(
         raise SessionAlreadyExists(f"{out} already exists; a fork never overwrites a session")
     now = int(time.time() * 1000)
     plan = plan_fork(session, at, now_ms=now)
-    parent: dict[str, Any] = msgspec.json.decode(log.header_raw)
-    header = plan.child_header(child_id=new_id, parent=parent, created_at=now)
-    write_jsonl(out, msgspec.json.encode(header), plan.events)
-    typer.echo(f"forked {parent.get('id')} at seq {plan.boundary} into {new_id}: {len(plan.events)} events -> {out}")
+    header = plan.child_header(child_id=new_id, parent=log.header, created_at=now)
+    write_jsonl(out, header.encode(), plan.events)
+    typer.echo(f"forked {log.header.id} at seq {plan.boundary} into {new_id}: {len(plan.events)} events -> {out}")
 
 
 def register(app: typer.Typer) -> None:

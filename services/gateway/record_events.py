@@ -1,0 +1,171 @@
+"""Record mode's writes: a planned request's events (`write_plan`), and the response's events as it is relayed
+(`Exchange`): `assistant/chunk` events in dsh's vocabulary (via `wireforms.ResponseAssembler`), then
+`assistant/message` with its usage and one `tool/call` per call; a response without tool calls ends the step and the
+turn (`completed`, or `max-tokens`), a client that disconnects ends it `aborted`, a provider error `error`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from msgspec import UNSET
+
+from sessionlog.errors import SessionLogError
+from sessionlog.log import SessionWriter
+from sessionlog.wireforms import ResponseAssembler, SseLines
+
+from .record_plan import New, Plan, new_id
+
+log = logging.getLogger("sessionlog.gateway")
+
+
+async def write_plan(writer: SessionWriter, plan: Plan) -> None:
+    """Append a planned request's events to the writer (queued; the caller flushes)."""
+    session = writer.session
+    step = session.open_step
+    turn = session.open_turn
+    if turn is None:
+        turn = session.last_turn + 1
+        await writer.emit("turn/start", {"turn": turn})
+    for item in plan.leading:
+        await _tool_result(writer, turn, step.number if step else 0, item, session.tool_call_event(item.call_id))
+    if session.open_step is not None:
+        await writer.emit("step/end", {"turn": turn, "step": session.open_step.number})
+    number = session.last_step + 1 if session.open_turn == turn and session.last_step else 1
+    await writer.emit("step/start", {"turn": turn, "step": number})
+    if plan.header is not None:
+        reason = "initial" if plan.initial else "change"
+        await writer.emit("request/header", {"header": plan.header, "reason": reason})
+    calls: dict[str, int] = {}
+    for i, item in enumerate(plan.rest):
+        surface: dict[str, Any] = {"surface_op": "append"}
+        if i == 0 and plan.replace is not None:
+            start, end, shadowed = plan.replace
+            surface = {"surface_op": {"op": "replace", "start": start, "end": end}, "source_event_seqs": shadowed}
+        if item.role == "user":
+            await writer.emit("user/message", item.message, **surface)
+        elif item.role == "assistant":
+            if surface["surface_op"] == "append":
+                surface["source_event_seqs"] = []
+            data = {"turn": turn, "step": number, "message": item.message}
+            await writer.emit("assistant/message", data, **surface)
+            for c in item.calls:
+                call_data = {"turn": turn, "step": number, "callId": c["id"], "name": c["name"],
+                             "arguments": c["arguments"]}  # fmt: skip
+                event = await writer.emit("tool/call", call_data)
+                calls[c["id"]] = event.seq
+        else:
+            await _tool_result(writer, turn, number, item, calls.get(item.call_id))
+
+
+async def _tool_result(writer: SessionWriter, turn: int, step: int, item: New, call_seq: int | None) -> None:
+    data = {"turn": turn, "step": step, "message": item.message}
+    seqs = [call_seq] if call_seq is not None else UNSET
+    await writer.emit("tool/result", data, surface_op="append", source_event_seqs=seqs)
+
+
+class Exchange:
+    """One recorded request's response, logged as it is relayed (the gateway's forwarding calls these)."""
+
+    def __init__(
+        self,
+        session_id: str,
+        writer: SessionWriter,
+        provider: str,
+        finishing: Callable[[], None],
+        free: Callable[[bool], None],
+        fields: dict[str, Any],
+        messages: bytes,
+        turn: int,
+        step: int,
+    ) -> None:
+        self.session_id = session_id
+        self.writer = writer
+        self.provider = provider
+        self.finishing = finishing  # the provider has finished: only logging remains (a next request may wait)
+        self._free = free  # the session is free for its next request (broken: its writer cannot go on)
+        self.fields = fields  # what the provider receives: the header's fields, the transport fields
+        self.messages = messages  # and the derivation's canonical messages
+        self.turn = turn
+        self.step = step
+        self.sse = SseLines()
+        self.assembler = ResponseAssembler()
+        self.chunk_seqs: list[int] = []
+        self.ended_once = False
+
+    async def _chunk(self, chunk: dict[str, Any]) -> None:
+        event = await self.writer.emit("assistant/chunk", {"turn": self.turn, "step": self.step, "chunk": chunk})
+        self.chunk_seqs.append(event.seq)
+
+    async def relayed(self, data: bytes) -> None:
+        """Bytes of a streamed answer that the client has been sent."""
+        for obj in self.sse.feed(data):
+            for chunk in self.assembler.chunk(obj):
+                await self._chunk(chunk)
+        if self.sse.done:
+            self.finishing()
+
+    async def ended(self, outcome: str, status: int, *, body: bytes | None = None, message: str = "") -> None:
+        """The exchange is over: log how it ended, and free the session."""
+        if self.ended_once:
+            return
+        self.ended_once = True
+        self.finishing()
+        broken = False
+        try:
+            await self._log_end(outcome, status, body, message)
+            await self.writer.flush()  # the answer is durable before the session takes the next request
+        except SessionLogError as err:
+            log.warning("record mode: logging the end of a response in %s failed: %s", self.session_id, err)
+            broken = True
+        finally:
+            self._free(broken)
+
+    async def _log_end(self, outcome: str, status: int, body: bytes | None, message: str) -> None:
+        emit = self.writer.emit
+        turn, step = self.turn, self.step
+        if outcome == "forwarded" and status == 200:
+            if body is not None:
+                try:
+                    self.assembler.completion(msgspec.json.decode(body))
+                except msgspec.DecodeError:
+                    await self._close(
+                        "error", {"message": "the provider's answer is not JSON", "code": "UPSTREAM_ERROR"}
+                    )
+                    return
+            else:
+                for chunk in self.assembler.end():
+                    await self._chunk(chunk)
+            assembler = self.assembler
+            source = {"kind": "model", "provider": self.provider,
+                      "model": self.writer.session.fold_request_header().header.config.model}  # type: ignore[union-attr]  # fmt: skip
+            data: dict[str, Any] = {"turn": turn, "step": step,
+                                    "message": {"id": new_id("msg"), "role": "assistant", "source": source,
+                                                "content": assembler.content()}}  # fmt: skip
+            if assembler.usage is not None:
+                data["usage"] = assembler.usage
+            await emit("assistant/message", data, surface_op="append", source_event_seqs=list(self.chunk_seqs))
+            for c in assembler.calls():
+                await emit("tool/call", {"turn": turn, "step": step, "callId": c["id"], "name": c["name"],
+                                         "arguments": c["arguments"]})  # fmt: skip
+            if not assembler.calls():
+                reason = "max-tokens" if assembler.finish == "max-tokens" else "completed"
+                await self._close(reason)
+            return
+        if outcome == "client_disconnected":
+            await self._close("aborted")
+            return
+        await self._close("error", {"message": message or f"the provider answered HTTP {status}",
+                                    "code": "UPSTREAM_ERROR", "status": status})  # fmt: skip
+
+    async def _close(self, kind: str, error: dict[str, Any] | None = None) -> None:
+        reason: dict[str, Any] = {"kind": kind}
+        if kind == "aborted":
+            reason["reason"] = {"kind": "user"}
+        if error is not None:
+            reason["error"] = error
+        await self.writer.emit("step/end", {"turn": self.turn, "step": self.step})
+        await self.writer.emit("turn/end", {"turn": self.turn, "reason": reason})

@@ -1,0 +1,66 @@
+"""The gateway's HTTP/1.1 client (`services/gateway/http1.py`) against a real provider process's server: what keeps
+its pool healthy when connections end, and how its failures are typed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from services.gateway import ScriptedProvider, ServerThread
+from services.gateway.upstream import Upstream, UpstreamConfig, upstream_transport
+from sessionlog.embedded import free_port
+from sessionlog.errors import UpstreamTimeout, UpstreamUnreachable
+
+BODY = msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+
+@pytest.fixture()
+def provider() -> Iterator[tuple[ScriptedProvider, ServerThread]]:
+    scripted = ScriptedProvider()
+    # a short keep-alive: the server closes an idle connection the pool holds
+    with ServerThread(scripted.app(), timeout_keep_alive=1) as server:
+        yield scripted, server
+
+
+async def test_a_kept_alive_connection_the_provider_closed_is_replaced(
+    provider: tuple[ScriptedProvider, ServerThread],
+) -> None:
+    scripted, server = provider
+    scripted.load([{"text": "one"}, {"text": "two"}, {"text": "three"}])
+    pool = upstream_transport()
+    upstream = Upstream(UpstreamConfig("p", server.url + "/v1", timeout_s=5, connect_timeout_s=2), pool)
+    try:
+        first = await upstream.open(BODY)
+        assert first.status_code == 200 and b"one" in await first.aread()
+        await asyncio.sleep(1.6)  # past the server's keep-alive: the pooled connection is closed on its side
+        second = await upstream.open(BODY)
+        assert second.status_code == 200 and b"two" in await second.aread()
+        # a response closed unread drops its connection; the next request gets a fresh one
+        third = await upstream.open(BODY)
+        await third.aclose()
+        scripted.load([{"text": "four"}])
+        fourth = await upstream.open(BODY)
+        assert b"four" in await fourth.aread()
+    finally:
+        await pool.aclose()
+    assert len(scripted.received) == 4  # nothing was sent twice
+
+
+async def test_failures_are_typed_timeout_and_unreachable(provider: tuple[ScriptedProvider, ServerThread]) -> None:
+    scripted, server = provider
+    pool = upstream_transport()
+    slow = Upstream(UpstreamConfig("p", server.url + "/v1", timeout_s=0.3, connect_timeout_s=2), pool)
+    nobody = Upstream(UpstreamConfig("q", f"http://127.0.0.1:{free_port()}/v1", timeout_s=1, connect_timeout_s=1), pool)
+    try:
+        scripted.load([{"text": "late", "delay_s": 2}])
+        with pytest.raises(UpstreamTimeout):
+            await slow.open(BODY)
+        with pytest.raises(UpstreamUnreachable):
+            await nobody.open(BODY)
+        with pytest.raises(UpstreamUnreachable):
+            await nobody.models()
+    finally:
+        await pool.aclose()

@@ -1,15 +1,15 @@
 """The record store: the one write path of the log, under `SessionLog` and `SessionWriter`.
 
-`RecordStore` owns how events reach the stream. Each record is published with
-`Nats-Expected-Last-Subject-Sequence` = the stream seq of the session's previous record, so two writers can never
-interleave: the loser is refused (`WrongLastRecord`, a `CONFLICT`). A timed-out publish is retried with the same
-`Nats-Msg-Id` for `publish_retry_s` without an acknowledgement on the connection (`backpressure.py`: writers
-slow down to what the server acknowledges instead of failing); a `duplicate` answer, or "wrong last sequence" after a timeout or an
-interrupted attempt, is settled by reading the stored record and comparing its digest, so nothing is doubled and
-nothing is reported written that was not acknowledged. It also owns the size rule (what one record may carry)
-and the batching rule (how queued events are cut into records). `HeaderStore` owns the headers bucket: one
-write-once header per session, read by direct get so a cluster without quorum can still be read. `BlobStore`
-holds large content by digest; `erase` purges a session from every stream.
+`RecordStore` owns how events reach the stream. Each record is published with `Nats-Expected-Last-Subject-Sequence`
+= the stream seq of the session's previous record, so two writers can never interleave: the loser is refused
+(`WrongLastRecord`, a `CONFLICT`). A timed-out publish is retried with the same `Nats-Msg-Id` for `publish_retry_s`
+without an acknowledgement on the connection (`backpressure.py`: writers slow down to what the server acknowledges
+instead of failing); a `duplicate` answer, or "wrong last sequence" after a timeout or an interrupted attempt, is
+settled by reading the stored record and comparing its digest, so nothing is doubled and nothing is reported written
+that was not acknowledged. It also owns the size rule (what one record may carry) and the batching rule (how queued
+events are cut into records). `HeaderStore` owns the headers bucket: one write-once header per session, read by
+direct get so a cluster without quorum can still be read. `BlobStore` holds large content by digest; `erase` purges
+a session from every stream.
 """
 
 from __future__ import annotations

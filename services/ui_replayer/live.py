@@ -138,7 +138,7 @@ class LiveTails:
             return
         listener = Listener(seen=from_seq)
         yield b": live tail\n\n"
-        state = await runner.state(session_id)
+        state = await runner.session_at(session_id)
         # No await between the snapshot and registering: no record can slip between them.
         listeners = self.ui.projection.listeners.setdefault(session_id, set())
         listeners.add(listener)
@@ -156,7 +156,7 @@ class LiveTails:
                     listener.behind = False
                     while not listener.queue.empty():
                         listener.queue.get_nowait()
-                    current = runner.states.get(session_id) or await runner.state(session_id)
+                    current = await runner.session_at(session_id)
                     if current is not None:
                         for chunk in self._snapshot(current.builder, listener):
                             yield chunk
@@ -189,7 +189,8 @@ class LiveTails:
     async def _tail_stream(self, session_id: str, from_seq: int) -> AsyncIterator[bytes]:
         """The live tail of a session another replica owns: read it and follow it on the stream."""
         yield b": live tail (stream)\n\n"
-        state = await self.ui.state(session_id)
+        state = await self.ui.runner.sessions.read(session_id)  # its own: followed here, never shared
+        state.updates = []
         session, builder, last_stream_seq = state.session, state.builder, state.last_stream_seq
         listener = Listener(seen=from_seq)
         for chunk in self._snapshot(builder, listener):

@@ -5,7 +5,6 @@ server of `routes.py`, whose live tails are `live.py`'s)."""
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from typing import Any, ClassVar, Final
 
 from starlette.applications import Starlette
@@ -13,13 +12,14 @@ from starlette.applications import Starlette
 from sessionlog.asgi import AsgiServer, serve_asgi
 from sessionlog.audit import SessionAuditor
 from sessionlog.errors import InvalidBoundary, SessionLogError, SessionNotFound
+from sessionlog.events import Event
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
+from sessionlog.lru import LRU
 from sessionlog.reader import read_raw_exchanges
 from sessionlog.record import Record
-from sessionlog.runner import Projection, ProjectionRunner, SessionState
+from sessionlog.runner import Projection, ProjectionRunner, SessionLogState
 from sessionlog.services import ProjectionService
-from sessionlog.session import Session
 from sessionlog.transcript import Transcript, TranscriptBuilder, Update, build_transcript
 
 from . import views
@@ -33,29 +33,22 @@ MAX_HEADERS: Final = 10_000
 FLEET_CATCH_UP_S: Final = 10.0  # a start waits this long for the fleet index to read what the log holds
 
 
-class UIState(SessionState):
+class UIState(SessionLogState):
     """One session's validated log, its transcript and its audit (requests, ledger, findings); `updates` holds what
     the last records changed for the live tail, `replaces` the seqs of its compactions."""
 
     def __init__(self, session_id: str, model_aliases: dict[str, str] | None = None) -> None:
         super().__init__(session_id)
-        self.session = Session()
         self.builder = TranscriptBuilder(session_id)
         self.auditor = SessionAuditor(session_id, model_aliases=model_aliases)
         self.updates: list[Update] = []
         self.replaces: list[int] = []
 
-    def apply(self, record: Record) -> None:
-        session = self.session
-        add = self.builder.add
-        audit = self.auditor.add
-        updates = self.updates
-        for raw in record.events:
-            event = session.append(raw)
-            updates.extend(add(event))
-            audit(event, session)
-            if event.is_replace:
-                self.replaces.append(event.seq)
+    def took(self, event: Event) -> None:
+        self.updates.extend(self.builder.add(event))
+        self.auditor.add(event, self.session)
+        if event.is_replace:
+            self.replaces.append(event.seq)
 
     def requests(self) -> list[views.Request]:
         return views.requests_of(self.auditor)
@@ -76,14 +69,14 @@ class UIReplayer(Projection[UIState]):
         self.listeners: dict[str, set[Listener]] = {}
         # The service's cache of session headers; kept here so that a purge (`on_forget`) drops the header too,
         # or the erased session would still be found (and its header served) after its records are gone.
-        self.headers: OrderedDict[str, bytes] = OrderedDict()
+        self.headers: LRU[str, bytes] = LRU(MAX_HEADERS)
         self.model_aliases = model_aliases or {}
 
     def new_state(self, session_id: str) -> UIState:
         return UIState(session_id, self.model_aliases)
 
     def on_forget(self, session_id: str) -> None:
-        self.headers.pop(session_id, None)
+        self.headers.pop(session_id)
 
     def on_applied(self, state: UIState, record: Record) -> None:
         updates, state.updates = state.updates, []
@@ -161,37 +154,25 @@ class UIReplayerService(ProjectionService[UIState]):
         await super().stop()
 
     # ---------------------------------------------------------------------------------- sessions
-    # Where the UI gets a session: its header (cached) and its state (`state`: the runner's when this replica owns
-    # the session, else read from the stream). Every view, and the live tail of a session another replica owns,
-    # comes through these two.
+    # Where the UI gets a session: its header (cached) and its state (the runtime's `session_at`: from memory when
+    # this replica owns the session, else read from the stream). Every view comes through these two; the live tail
+    # of a session another replica owns reads a copy of its own, which it then follows (`live.py`).
 
     async def header(self, session_id: str) -> bytes:
         """The session header (cached: a header never changes once the session is visible)."""
         check_session_id(session_id)
-        header = self._headers.get(session_id)
+        header = self._headers.use(session_id)
         if header is None:
             header = await self.log.header(session_id)
             if header is None:
                 raise SessionNotFound(f"session {session_id} not found")
-            self._headers[session_id] = header
-            while len(self._headers) > MAX_HEADERS:
-                self._headers.popitem(last=False)
-        else:
-            self._headers.move_to_end(session_id)
+            self._headers.put(session_id, header)
         return header
 
     async def state(self, session_id: str) -> UIState:
         """The session's state: from memory when this replica owns the session, else read from the stream."""
-        if self.runner.owns(session_id):
-            state = await self.runner.state(session_id)
-            return state if state is not None else self.projection.new_state(session_id)
-        records = await self.log.reader.records(session_id)
-        state = self.projection.new_state(session_id)
-        for record in records:
-            state.apply(record)
-            state.last_stream_seq = record.stream_seq
-        state.updates = []
-        return state
+        state = await self.runner.session_at(session_id)
+        return state if state is not None else self.projection.new_state(session_id)
 
     async def transcript(self, session_id: str, *, at: int | None = None) -> Transcript:
         """The transcript now, or of the prefix ending at seq `at` (inclusive): a replay from any offset."""

@@ -11,8 +11,9 @@ while records of its connection keep being acknowledged, and its budget counts f
   acknowledgement on the connection and it is the oldest in flight (one probe: when its repeat is answered, the
   others see a later record answered and follow); a repeat carries the same message id and is harmless;
 - `LOG_UNAVAILABLE` comes once `publish_retry_s` passed with no acknowledgement on the connection (a server gone, a
-  cluster without quorum: exactly as before), and at the latest at `MAX_WAIT_FACTOR` times that budget, below the
-  streams' duplicate window, where a repeat would no longer be recognised by its message id;
+  cluster without quorum: exactly as before), and at the latest at `WINDOW_SHARE` of the streams' duplicate window,
+  past which a repeat would no longer be recognised by its message id. A tighter cap (four budgets) failed every
+  writer of a link the server kept answering, once its queue was more than four budgets long;
 - at most `MAX_IN_FLIGHT` records of a connection are in flight; a writer past that waits for a slot, under the same
   budget. Writers slow down to what the server acknowledges instead of failing.
 """
@@ -28,9 +29,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 MAX_IN_FLIGHT: Final = 256
-# How far acknowledgements of other records may stretch one record's budget (`publish_retry_s` times this), and
-# never past the duplicate window (settings require `publish_retry_s` below it).
-MAX_WAIT_FACTOR: Final = 4.0
+# The share of the duplicate window a record may wait while its connection is acknowledging others (settings require
+# `publish_retry_s` below the window): the margin keeps its last repeat inside the window.
+WINDOW_SHARE: Final = 0.9
 
 
 class PublishWindow:
@@ -48,7 +49,7 @@ class PublishWindow:
     @staticmethod
     def cap(budget_s: float, duplicate_window_s: float) -> float:
         """The longest a record may wait, however busy the connection: a repeat must stay inside the window."""
-        return max(budget_s, min(budget_s * MAX_WAIT_FACTOR, duplicate_window_s * 0.9))
+        return max(budget_s, duplicate_window_s * WINDOW_SHARE)
 
     def remaining(self, started: float, budget_s: float, cap_s: float) -> float:
         """Seconds left to a record first sent at `started`: `budget_s` from the later of that and the

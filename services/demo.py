@@ -33,6 +33,7 @@ from rich.panel import Panel
 from rich.progress import Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
+from sessionlog import contracts
 from sessionlog.agent import Agent
 from sessionlog.errors import OpenTurn, SessionLogError
 from sessionlog.log import SessionLog
@@ -340,9 +341,9 @@ class Demo:
         """The four projections of the same log, each from its own service."""
         _, session, _ = await log.load(self.session_id)
         derive = await call(
-            log.nc, "sessionlog.context.derive", {"session": self.session_id, "min_seq": len(session) - 1}, timeout=10
+            log.nc, contracts.DERIVE.subject, {"session": self.session_id, "min_seq": len(session) - 1}, timeout=10
         )
-        audit = await call(log.nc, "sessionlog.audit.report", {"session": self.session_id}, timeout=10)
+        audit = await call(log.nc, contracts.REPORT.subject, {"session": self.session_id}, timeout=10)
         ui = f"http://{self.settings.ui_host}:{self.settings.ui_port}"
         async with httpx.AsyncClient(timeout=10) as http:
             transcript = (await http.get(f"{ui}/api/sessions/{self.session_id}/transcript")).json()

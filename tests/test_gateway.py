@@ -34,6 +34,7 @@ from services.gateway import (
     build_app,
     raw_subject,
 )
+from sessionlog.contracts import DeriveReply
 from sessionlog.embedded import free_port
 from sessionlog.errors import CODES, SessionNotFound
 from sessionlog.events import Message, canonical_json
@@ -922,15 +923,18 @@ async def test_the_context_deriver_client_reads_the_documented_reply_and_falls_b
 
     async def responder(msg: Any) -> None:
         replies.append(msgspec.json.decode(msg.data))
-        body = {
-            "session": agent.session_id,
-            "seq": len(session) - 1,
-            "generation": 0,
-            "messages": msgspec.json.decode(messages),
-            "header": {"seq": header.seq, "reason": header.reason, "header": msgspec.json.decode(header.raw)},
-            "sha256": hashlib.sha256(messages).hexdigest(),
-            "open_step": {"turn": 1, "step": 1},
-        }
+        body = DeriveReply(  # the declared contract, as the context-deriver sends it
+            session=agent.session_id,
+            seq=len(session) - 1,
+            generation=0,
+            messages=msgspec.Raw(messages),
+            seqs=[m.seq for m in session.derive_messages()],
+            header=msgspec.Raw(header.raw),
+            header_seq=header.seq,
+            header_reason=header.reason,
+            sha256=hashlib.sha256(messages).hexdigest(),
+            open_step=(1, 1),
+        )
         await msg.respond(msgspec.json.encode(body))
 
     sub = await nc.subscribe(subject, cb=responder)

@@ -11,8 +11,9 @@ from typing import Annotated
 import msgspec
 import typer
 
+from sessionlog import contracts
 from sessionlog.cli.logcmds import run_with_log
-from sessionlog.micro import call
+from sessionlog.micro import ask
 from sessionlog.services import RunOptions
 from sessionlog.settings import Settings
 
@@ -49,15 +50,14 @@ def repair_session(
         from sessionlog.log import SessionLog
 
         assert isinstance(log, SessionLog)
-        return await call(
-            log.nc, "sessionlog.repair.close", {"session": session_id}, timeout=log.settings.request_timeout_s * 2
-        )
+        request = contracts.SessionRequest(session_id)
+        return await ask(log.nc, contracts.CLOSE, request, timeout=log.settings.request_timeout_s * 2)
 
     reply = run_with_log(work)
-    assert isinstance(reply, dict)
-    for closer in reply.get("closers", []):
-        sys.stdout.buffer.write(msgspec.json.encode(closer) + b"\n")
-    typer.echo(f"{session_id}: {len(reply.get('closers', []))} closers appended", err=True)
+    assert isinstance(reply, contracts.CloseReply)
+    for closer in reply.closers:
+        sys.stdout.buffer.write(bytes(closer) + b"\n")
+    typer.echo(f"{session_id}: {len(reply.closers)} closers appended", err=True)
 
 
 def scripted_provider(

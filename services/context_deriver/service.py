@@ -4,28 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
+from collections.abc import Sequence
 from typing import Any, ClassVar, Final
 
 import msgspec
 
-from sessionlog.errors import (
-    EventTooLarge,
-    InvalidBoundary,
-    InvalidRequest,
-    LogUnavailable,
-    SessionLogError,
-    SessionNotFound,
+from sessionlog import contracts
+from sessionlog.contracts import (
+    DeriveReply,
+    DeriveRequest,
+    PlanReplaceReply,
+    PlanReplaceRequest,
+    StatsReply,
+    StatsRequest,
 )
+from sessionlog.errors import EventTooLarge, InvalidBoundary, LogUnavailable, SessionLogError, SessionNotFound
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
 from sessionlog.record import Record
 from sessionlog.runner import Projection, ProjectionRunner, SessionState
 from sessionlog.services import ProjectionService
-from sessionlog.session import Session
+from sessionlog.session import DerivedMessage, Session
 
-SERVICE: Final = "sessionlog-context"
+SERVICE: Final = contracts.CONTEXT.name
 PAGE_FRACTION: Final = 0.8  # of the server's max payload, leaving room for the envelope
 
 
@@ -72,28 +74,20 @@ class ContextDeriverService(ProjectionService[DeriverState]):
     async def _start(self) -> None:
         await super()._start()
         await self._serve_endpoints(
-            SERVICE,
-            "derived model context of sessions",
-            "sessionlog.context",
-            {"derive": self.derive, "plan_replace": self.plan_replace, "stats": self.stats},
-            immediate={"derive": self._derive_is_immediate},
+            contracts.CONTEXT,
+            {contracts.DERIVE: self.derive, contracts.PLAN_REPLACE: self.plan_replace, contracts.STATS: self.stats},
+            immediate={contracts.DERIVE: self._derive_is_immediate},
         )
 
-    def _derive_is_immediate(self, data: bytes) -> bool:
+    def _derive_is_immediate(self, request: DeriveRequest) -> bool:
         """A derive of the latest state of a session held here that has applied `min_seq` waits for nothing
         (no stream read, no wait), so it is answered without a task of its own."""
-        try:
-            body = json.loads(data)
-        except ValueError:
-            return True  # refused at once
-        if not isinstance(body, dict) or body.get("at_seq") is not None:
+        if request.at_seq is not None:
             return False
-        session_id = body.get("session")
-        state = self.runner.states.get(session_id) if isinstance(session_id, str) else None
+        state = self.runner.states.get(request.session)
         if state is None or not self.runner.owns(state.session_id):
             return False
-        min_seq = body.get("min_seq")
-        return min_seq is None or (type(min_seq) is int and state.next_seq > min_seq)
+        return request.min_seq is None or state.next_seq > request.min_seq
 
     # ---------------------------------------------------------------------------------- sessions
 
@@ -133,17 +127,11 @@ class ContextDeriverService(ProjectionService[DeriverState]):
 
     # ---------------------------------------------------------------------------------- endpoints
 
-    async def derive(self, body: dict[str, Any]) -> bytes:
-        session_id = _str(body, "session")
-        min_seq = _opt_int(body, "min_seq")
-        at_seq = _opt_int(body, "at_seq")
-        page = _opt_int(body, "page") or 0
-        known_generation = _opt_int(body, "known_generation")
-        known_count = _opt_int(body, "known_count")
-        timeout = (_opt_int(body, "timeout_ms") or int(self.log.settings.request_timeout_s * 1000)) / 1000
-        targets = [s for s in (min_seq, at_seq) if s is not None]
-        wait_for = max(targets) if targets else None
-        session = await self.session(session_id, min_seq=wait_for, timeout=timeout)
+    async def derive(self, request: DeriveRequest) -> DeriveReply:
+        session_id, at_seq, page = request.session, request.at_seq, request.page or 0
+        timeout = (request.timeout_ms or int(self.log.settings.request_timeout_s * 1000)) / 1000
+        targets = [s for s in (request.min_seq, at_seq) if s is not None]
+        session = await self.session(session_id, min_seq=max(targets) if targets else None, timeout=timeout)
         if at_seq is not None:
             if at_seq >= len(session):
                 raise InvalidBoundary(f"at_seq {at_seq} is past the end of session {session_id} ({len(session)})")
@@ -156,36 +144,38 @@ class ContextDeriverService(ProjectionService[DeriverState]):
             else:
                 messages_body, digest = canonical_messages(session)
         header = session.fold_request_header()
-        reply: dict[str, Any] = {
-            "session": session_id,
-            "seq": len(session) - 1,
-            "generation": session.generation,
-            "header": header.to_builtins() if header is not None else None,
-            "sha256": digest,
+        # A refusal names the seq it concerns (SPEC section 10): the header's here, each message's in `seqs`.
+        reply = DeriveReply(
+            session=session_id,
+            seq=len(session) - 1,
+            generation=session.generation,
+            header=msgspec.Raw(msgspec.json.encode(header.to_builtins()) if header is not None else b"null"),
+            sha256=digest,
             # The gateway's invariant needs an open step: [turn, step], or null between steps.
-            "open_step": [session.open_turn, session.open_step.number] if session.open_step is not None else None,
-        }
-        if header is not None:
-            # A refusal names the seq it concerns (SPEC section 10): the header's here, each message's in `seqs`.
-            reply["header_seq"] = header.seq
-            reply["header_reason"] = header.reason
+            open_step=(session.open_turn or 0, session.open_step.number) if session.open_step is not None else None,
+            seqs=[],
+            messages=msgspec.Raw(b"[]"),
+            header_seq=header.seq if header is not None else None,
+            header_reason=header.reason if header is not None else None,
+        )
         limit = int(self.log.nc.max_payload * PAGE_FRACTION)
-        if known_generation == session.generation and known_count is not None and at_seq is None and page == 0:
+        derived = session.derive_messages()
+        known = request.known_count
+        increment = at_seq is None and page == 0 and request.known_generation == session.generation
+        if increment and known is not None and known <= len(derived):
             # The caller holds the first `known_count` messages of this generation: a generation's messages only
             # grow, so those are this derivation's first ones too (`sha256`, of the whole list, lets it check).
-            messages = session.derive_messages()
-            if known_count <= len(messages):
-                added_messages = messages[known_count:]
-                added = b"[" + b",".join(m.canonical for m in added_messages) + b"]"
-                partial = {**reply, "messages_from": known_count, "seqs": [m.seq for m in added_messages]}
-                if len(msgspec.json.encode(partial)) + 64 + len(added) <= limit:
-                    return _with_messages(partial, added)
-                # too many to send at once: the whole list, paged
-        derived = session.derive_messages()
-        whole = {**reply, "seqs": [m.seq for m in derived]}
-        if page == 0 and len(msgspec.json.encode(whole)) + 64 + len(messages_body) <= limit:
-            return _with_messages(whole, messages_body)
-        head = len(msgspec.json.encode(reply)) + 64  # every page carries the header and the envelope
+            added = derived[known:]
+            partial = msgspec.structs.replace(
+                reply, messages_from=known, seqs=[m.seq for m in added], messages=_array(added)
+            )
+            if _size(partial) <= limit:
+                return partial
+            # too many to send at once: the whole list, paged
+        whole = msgspec.structs.replace(reply, seqs=[m.seq for m in derived], messages=msgspec.Raw(messages_body))
+        if page == 0 and _size(whole) <= limit:
+            return whole
+        head = _size(reply)  # every page carries the header and the envelope
         if head + 1024 > limit:
             raise EventTooLarge(
                 f"session {session_id}: the folded header alone is {head} bytes, over a reply's {limit}"
@@ -194,45 +184,46 @@ class ContextDeriverService(ProjectionService[DeriverState]):
         pages = _pages([m.canonical for m in derived], limit - head - 64, per_item=22)
         if page >= len(pages):
             raise InvalidBoundary(f"page {page} does not exist; the derivation has {len(pages)} pages")
-        if page + 1 < len(pages):
-            reply["next_page"] = page + 1
         first = sum(len(p) for p in pages[:page])
-        reply["seqs"] = [m.seq for m in derived[first : first + len(pages[page])]]
-        return _with_messages(reply, b"[" + b",".join(pages[page]) + b"]")
+        return msgspec.structs.replace(
+            reply,
+            next_page=page + 1 if page + 1 < len(pages) else None,
+            seqs=[m.seq for m in derived[first : first + len(pages[page])]],
+            messages=msgspec.Raw(b"[" + b",".join(pages[page]) + b"]"),
+        )
 
-    async def plan_replace(self, body: dict[str, Any]) -> dict[str, Any]:
-        session_id = _str(body, "session")
-        event = body.get("event")
-        if not isinstance(event, dict):
-            raise InvalidRequest("plan_replace: `event` must be an event object")
-        seq = event.get("seq")
+    async def plan_replace(self, request: PlanReplaceRequest) -> PlanReplaceReply:
+        seq = request.event.get("seq")
         # A dry run right after a flush must see that flush: wait for the seq before the event's own.
         min_seq = seq - 1 if type(seq) is int and seq > 0 else None
-        session = await self.session(session_id, min_seq=min_seq, timeout=self.log.settings.request_timeout_s)
+        session = await self.session(request.session, min_seq=min_seq, timeout=self.log.settings.request_timeout_s)
         try:
-            _, plan = session.plan(msgspec.json.encode(event))
+            _, plan = session.plan(msgspec.json.encode(request.event))
         except SessionLogError as err:
-            return {"accepted": False, "shadowed": [], "error": err.to_dict()}
-        return {"accepted": True, "shadowed": list(plan.shadowed) if plan is not None else []}
+            return PlanReplaceReply(False, [], contracts.ErrorBody(err.code, err.message, err.seq))
+        return PlanReplaceReply(True, list(plan.shadowed) if plan is not None else [])
 
-    async def stats(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def stats(self, request: StatsRequest) -> StatsReply:
         health = self.runner.health()
-        memory = sum(sum(len(e.raw) for e in s.session) for s in self.runner.states.values())
-        return {
-            "sessions": health["sessions"],
-            "memory_bytes": memory,
-            "lag_events": health["lag_events"],
-            "partitions": health["partitions"],
-            "quarantined": health["quarantined"],
-            "quarantine": health["quarantine"],
-            "stalled": health["stalled"],
-            "replica": health["replica"],
-        }
+        return StatsReply(
+            sessions=health["sessions"],
+            memory_bytes=sum(sum(len(e.raw) for e in s.session) for s in self.runner.states.values()),
+            lag_events=health["lag_events"],
+            partitions=health["partitions"],
+            quarantined=health["quarantined"],
+            quarantine=health["quarantine"],
+            stalled=health["stalled"],
+            replica=health["replica"],
+        )
 
 
-def _with_messages(reply: dict[str, Any], messages: bytes) -> bytes:
-    head = msgspec.json.encode(reply)
-    return head[:-1] + b',"messages":' + messages + b"}"
+def _array(messages: Sequence[DerivedMessage]) -> msgspec.Raw:
+    return msgspec.Raw(b"[" + b",".join(m.canonical for m in messages) + b"]")
+
+
+def _size(reply: DeriveReply) -> int:
+    """The encoded reply's bytes, plus room for the micro envelope."""
+    return len(msgspec.json.encode(reply)) + 64
 
 
 def _pages(items: list[bytes], limit: int, *, per_item: int = 0) -> list[list[bytes]]:
@@ -247,19 +238,3 @@ def _pages(items: list[bytes], limit: int, *, per_item: int = 0) -> list[list[by
         pages[-1].append(item)
         size += cost
     return pages
-
-
-def _str(body: dict[str, Any], key: str) -> str:
-    value = body.get(key)
-    if not isinstance(value, str):
-        raise InvalidRequest(f"request field `{key}` must be a string")
-    return value
-
-
-def _opt_int(body: dict[str, Any], key: str) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if type(value) is not int or value < 0:
-        raise InvalidRequest(f"request field `{key}` must be a non-negative integer, got {value!r}")
-    return value

@@ -7,8 +7,8 @@ step of the durable log once it holds at least seq `min_seq` (the last seq the c
   call, reads only the records after the last one it applied (one direct-get round trip when nothing is new), so a
   long session is validated once, not once per request. It always reads the tail: the invariant is about the
   durable log at dispatch time, not about what the caller claims.
-- `ContextDeriverClient` asks the context-deriver (`sessionlog.context.derive`, reply shape in ARCHITECTURE.md's
-  conventions table) and falls back to a `StreamSource` when no deriver answers in time.
+- `ContextDeriverClient` asks the context-deriver (`sessionlog.context.derive`, request and reply declared in
+  `sessionlog.contracts`) and falls back to a `StreamSource` when no deriver answers in time.
 """
 
 from __future__ import annotations
@@ -23,26 +23,26 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import msgspec
-import nats.errors
 from nats.aio.client import Client
 
+from sessionlog.contracts import DERIVE, DeriveReply, DeriveRequest
 from sessionlog.errors import (
     CorruptLog,
     DerivationDiverges,
     LogUnavailable,
     SessionLogError,
     SessionNotFound,
-    error_from_code,
 )
 from sessionlog.events import Message, RequestHeader, canonical_json
 from sessionlog.log import SessionLog
+from sessionlog.micro import UnreadableReply, ask
 from sessionlog.session import DerivedMessage, DerivedMessages, FoldedHeader, Session
 from sessionlog.wire import PHRASE
 
 log = logging.getLogger("sessionlog.gateway")
 
-DERIVE_SUBJECT: Final = "sessionlog.context.derive"
-# How long to derive from the stream after a deriver reply that cannot serve the invariant (no `open_step`).
+DERIVE_SUBJECT: Final = DERIVE.subject
+# How long to derive from the stream after a deriver reply that does not match the contract (another version).
 _SKIP_S: Final = 60.0
 
 
@@ -153,59 +153,18 @@ class StreamSource:
 # ---------------------------------------------------------------------------------------------- deriver client
 
 
-class _HeaderReply(msgspec.Struct):
-    seq: int = -1
-    reason: str = "initial"
-    header: msgspec.Raw = msgspec.Raw(b"null")
-
-
-class _DeriveReply(msgspec.Struct):
-    session: str
-    seq: int
-    messages: list[msgspec.Raw]
-    header: msgspec.Raw = msgspec.Raw(b"null")
-    generation: int = 0
-    sha256: str | None = None
-    next_page: Any = None
-    open_step: Any = msgspec.UNSET
-    seqs: list[int] | None = None
-    header_seq: int | None = None  # the folded header's seq when `header` is the bare header object
-    header_reason: str | None = None
-    messages_from: int | None = None  # set when `messages` are only those after the first `known_count`
-
-
-_reply_decoder: Final = msgspec.json.Decoder(_DeriveReply)
 _message_decoder: Final = msgspec.json.Decoder(Message)
 _header_decoder: Final = msgspec.json.Decoder(RequestHeader)
-_header_reply_decoder: Final = msgspec.json.Decoder(_HeaderReply)
+_messages_decoder: Final = msgspec.json.Decoder(list[msgspec.Raw])
 
 
-def _folded_header(reply: _DeriveReply) -> FoldedHeader | None:
-    """The reply's header: either `{seq, reason, header: {...}}` or the header object `{config, ...}` itself, whose
-    seq and reason are then the reply's `header_seq` and `header_reason` (-1, "initial" when it has none)."""
+def _folded_header(reply: DeriveReply) -> FoldedHeader | None:
+    """The reply's header object with the seq and reason it was logged with (-1, "initial" when it has none)."""
     raw = bytes(reply.header)
     if raw.strip() == b"null":
         return None
-    probe = msgspec.json.decode(raw)
-    if isinstance(probe, dict) and "config" not in probe and "header" in probe:
-        wrapped = _header_reply_decoder.decode(raw)
-        if bytes(wrapped.header).strip() == b"null":
-            return None
-        raw, seq, reason = bytes(wrapped.header), wrapped.seq, wrapped.reason
-    else:
-        seq = reply.header_seq if reply.header_seq is not None else -1
-        reason = reply.header_reason or "initial"
-    return FoldedHeader(seq=seq, reason=reason, header=_header_decoder.decode(raw), raw=raw)
-
-
-def _open_step(value: Any) -> tuple[int, int] | None:
-    if value is None or value is False:
-        return None
-    if isinstance(value, dict):
-        return int(value.get("turn", 0)), int(value.get("step", 0))
-    if isinstance(value, list | tuple) and len(value) == 2:
-        return int(value[0]), int(value[1])
-    return (0, 0) if value is True else None
+    seq = reply.header_seq if reply.header_seq is not None else -1
+    return FoldedHeader(seq=seq, reason=reply.header_reason or "initial", header=_header_decoder.decode(raw), raw=raw)
 
 
 class _Known:
@@ -255,10 +214,9 @@ class ContextDeriverClient:
     the ones added (`messages_from`), and the whole list's `sha256` is checked against the remembered ones plus the
     new. A list that does not check out is fetched again whole.
 
-    The reply must say whether a step is open (`open_step`: `{turn, step}` or null), which the invariant needs;
-    a reply without it is answered from the stream instead (and the stream is used for a minute after). `seqs`,
-    when present, gives each message's seq. The reply's `header` may be the folded header object itself (as
-    `FoldedHeader.to_builtins()` gives it, with `header_seq` and `header_reason` beside it) or `{seq, reason, header}`.
+    Requests and replies are `contracts.DERIVE`'s: the reply says whether a step is open (`open_step`), which the
+    invariant needs, each message's seq (`seqs`) and the header's (`header_seq`), which a refusal names. A reply
+    that does not match the contract is answered from the stream instead (and the stream is used for a minute after).
     """
 
     def __init__(
@@ -280,22 +238,12 @@ class ContextDeriverClient:
         self._known: OrderedDict[str, _Known] = OrderedDict()
         self._max = max_sessions
 
-    async def _request(self, body: dict[str, Any]) -> _DeriveReply:
-        reply = await self._nc.request(self._subject, msgspec.json.encode(body), timeout=self._timeout)
-        headers = reply.headers or {}
-        code = headers.get("Nats-Service-Error-Code")
-        if code:
-            raise error_from_code(code, headers.get("Nats-Service-Error", "context-deriver refused the request"))
-        try:
-            return _reply_decoder.decode(reply.data)
-        except msgspec.DecodeError as exc:  # ValidationError included
-            raise LogUnavailable(f"context-deriver answered with an unreadable reply: {exc}") from None
+    async def _request(self, request: DeriveRequest) -> DeriveReply:
+        return await ask(self._nc, DERIVE, request, timeout=self._timeout, subject=self._subject)
 
     async def derive(self, session_id: str, min_seq: int | None) -> Derivation:
         # the deriver gives up a little before this client does, so its answer still arrives
-        body: dict[str, Any] = {"session": session_id, "timeout_ms": int(self._timeout * 800)}
-        if min_seq is not None:
-            body["min_seq"] = min_seq
+        request = DeriveRequest(session=session_id, min_seq=min_seq, timeout_ms=int(self._timeout * 800))
         if time.monotonic() < self._skip_until:
             self.fallbacks += 1
             return await self._fallback.derive(session_id, min_seq)
@@ -303,38 +251,34 @@ class ContextDeriverClient:
         try:
             if known is not None:
                 first = await self._request(
-                    {**body, "known_generation": known.generation, "known_count": len(known.items)}
+                    msgspec.structs.replace(request, known_generation=known.generation, known_count=len(known.items))
                 )
                 if first.messages_from is not None:
-                    if first.open_step is not msgspec.UNSET and self._extend(known, first):
+                    if self._extend(known, first):
                         self.incremental += 1
                         self._known.move_to_end(session_id)
                         return self._derivation(session_id, first, known, min_seq)
                     self._known.pop(session_id, None)  # it does not check out: fetch the whole list
-                    first = await self._request(body)
+                    first = await self._request(request)
             else:
-                first = await self._request(body)
+                first = await self._request(request)
             replies = [first]
             while replies[-1].next_page is not None:
-                replies.append(await self._request({**body, "page": replies[-1].next_page}))
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError, LogUnavailable):
-            # LOG_UNAVAILABLE: the deriver did not reach min_seq in time; the stream is the authority
-            self.fallbacks += 1
-            return await self._fallback.derive(session_id, min_seq)
-        if first.open_step is msgspec.UNSET:
-            log.warning(
-                "context-deriver replies carry no open_step, which the invariant needs; deriving from the stream "
-                "for the next %.0fs",
-                _SKIP_S,
-            )
+                replies.append(await self._request(msgspec.structs.replace(request, page=replies[-1].next_page)))
+        except UnreadableReply as err:
+            log.warning("%s; deriving from the stream for the next %.0fs", err.message, _SKIP_S)
             self._skip_until = time.monotonic() + _SKIP_S
             self.fallbacks += 1
             return await self._fallback.derive(session_id, min_seq)
-        raws = [bytes(m) for r in replies for m in r.messages]
-        seqs = [s for r in replies for s in (r.seqs or ())]
+        except LogUnavailable:
+            # no deriver answered in time, or it did not reach min_seq in time: the stream is the authority
+            self.fallbacks += 1
+            return await self._fallback.derive(session_id, min_seq)
+        raws = [bytes(m) for r in replies for m in _messages_decoder.decode(r.messages)]
+        seqs = [s for r in replies for s in r.seqs]
         fresh = _Known(first.generation)
         fresh.extend(raws, seqs)
-        if first.sha256 is not None and fresh.sha256() != first.sha256:
+        if fresh.sha256() != first.sha256:
             fresh = _Known(first.generation)
             fresh.extend([canonical_json(m) for m in raws], seqs)
             if fresh.sha256() != first.sha256:
@@ -345,14 +289,14 @@ class ContextDeriverClient:
             self._known.popitem(last=False)
         return self._derivation(session_id, first, fresh, min_seq)
 
-    def _extend(self, known: _Known, reply: _DeriveReply) -> bool:
+    def _extend(self, known: _Known, reply: DeriveReply) -> bool:
         """Add an incremental reply's messages to what is known; False (and nothing changed) unless the reply
         continues exactly what this client holds and the whole list's sha256 checks out."""
-        if reply.generation != known.generation or reply.messages_from != len(known.items) or reply.sha256 is None:
+        if reply.generation != known.generation or reply.messages_from != len(known.items):
             return False
-        return known.extend([bytes(m) for m in reply.messages], reply.seqs or (), reply.sha256)
+        return known.extend([bytes(m) for m in _messages_decoder.decode(reply.messages)], reply.seqs, reply.sha256)
 
-    def _derivation(self, session_id: str, first: _DeriveReply, known: _Known, min_seq: int | None) -> Derivation:
+    def _derivation(self, session_id: str, first: DeriveReply, known: _Known, min_seq: int | None) -> Derivation:
         if min_seq is not None and first.seq < min_seq:
             raise _not_reached(session_id, min_seq, first.seq, self._timeout)
         return Derivation(
@@ -360,7 +304,7 @@ class ContextDeriverClient:
             seq=first.seq,
             messages=known.view(),
             header=_folded_header(first),
-            open_step=_open_step(first.open_step),
+            open_step=first.open_step,
             generation=first.generation,
             source="context-deriver",
         )

@@ -10,7 +10,9 @@ from typing import Any, ClassVar, Final
 
 import msgspec
 
-from sessionlog.errors import InvalidRequest, LeaseHeld, LeaseLost, SessionLogError, SessionNotFound
+from sessionlog import contracts
+from sessionlog.contracts import CloseReply, SessionRequest
+from sessionlog.errors import LeaseHeld, LeaseLost, SessionLogError, SessionNotFound
 from sessionlog.ids import check_session_id
 from sessionlog.leases import Leases
 from sessionlog.log import SessionLog
@@ -20,7 +22,7 @@ from sessionlog.services import ProjectionService
 from sessionlog.session import Session
 from sessionlog.tasks import cancel_and_wait
 
-SERVICE: Final = "sessionlog-repair"
+SERVICE: Final = contracts.REPAIR.name
 RETRY_FIRST_S: Final = 1.0  # a session whose repair failed is tried again after this, doubling up to RETRY_MAX_S
 RETRY_MAX_S: Final = 300.0
 
@@ -69,9 +71,7 @@ class RepairerService(ProjectionService[RepairState]):
     async def _start(self) -> None:
         await super()._start()
         await self._learn_open_turns()
-        await self._serve_endpoints(
-            SERVICE, "closes turns whose writer died", "sessionlog.repair", {"close": self._close}
-        )
+        await self._serve_endpoints(contracts.REPAIR, {contracts.CLOSE: self._close})
         self._watch = asyncio.create_task(self._watch_loop(), name="repairer-watch")
 
     async def _learn_open_turns(self) -> None:
@@ -110,12 +110,9 @@ class RepairerService(ProjectionService[RepairState]):
         self.unrepairable[session_id] = (error, attempts, time.monotonic() + delay)
         log.warning("repair of %s failed (attempt %d, next in %.0fs): %s", session_id, attempts, delay, error)
 
-    async def _close(self, body: dict[str, Any]) -> dict[str, Any]:
-        session_id = body.get("session")
-        if not isinstance(session_id, str):
-            raise InvalidRequest("repair.close: `session` must be a string")
-        closers = await self.close(session_id)
-        return {"session": session_id, "closers": [msgspec.json.decode(c) for c in closers]}
+    async def _close(self, request: SessionRequest) -> CloseReply:
+        closers = await self.close(request.session)
+        return CloseReply(request.session, [msgspec.Raw(c) for c in closers])
 
     async def close(self, session_id: str) -> tuple[bytes, ...]:
         """Close the session's open turn now; refused (`LEASE_HELD`) while a live writer holds it."""

@@ -15,6 +15,7 @@ from nats.js import api
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from prometheus_client import Counter
 
+from sessionlog import contracts
 from sessionlog.audit import (
     AuditReport,
     RawAssembler,
@@ -23,7 +24,8 @@ from sessionlog.audit import (
     TokenCounts,
     audit_session,
 )
-from sessionlog.errors import InvalidRequest, LogUnavailable, SessionNotFound
+from sessionlog.contracts import ReportRequest
+from sessionlog.errors import LogUnavailable, SessionNotFound
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
 from sessionlog.provision import RAW_ALL
@@ -34,7 +36,7 @@ from sessionlog.services import ProjectionService
 from sessionlog.session import Session
 from sessionlog.tasks import cancel_and_wait
 
-SERVICE: Final = "sessionlog-audit"
+SERVICE: Final = contracts.AUDIT.name
 RAW_CHECKPOINT_EVERY_S: Final = 1.0
 
 FINDINGS: Final = Counter("sessionlog_audit_findings_total", "Audit findings, by code", ["code"])
@@ -133,9 +135,7 @@ class TokenAuditorService(ProjectionService[AuditState]):
         if self._raw_feed:
             start = await self._raw_start_seq()
             self._feed = asyncio.create_task(self._feed_loop(start), name="token-auditor-raw")
-        await self._serve_endpoints(
-            SERVICE, "token ledger and audit findings of sessions", "sessionlog.audit", {"report": self._report}
-        )
+        await self._serve_endpoints(contracts.AUDIT, {contracts.REPORT: self._report})
 
     def health(self) -> dict[str, Any]:
         health = super().health()
@@ -271,14 +271,6 @@ class TokenAuditorService(ProjectionService[AuditState]):
             raise SessionNotFound(f"session {session_id} not found")
         return audit_session(Session(), raw, session_id=session_id).report()
 
-    async def _report(self, body: dict[str, Any]) -> AuditReport:
-        session_id = body.get("session")
-        if not isinstance(session_id, str):
-            raise InvalidRequest("audit.report: `session` must be a string")
-        min_seq = body.get("min_seq")
-        if min_seq is not None and (type(min_seq) is not int or min_seq < 0):
-            raise InvalidRequest(f"audit.report: `min_seq` must be a non-negative integer, got {min_seq!r}")
-        timeout_ms = body.get("timeout_ms")
-        if timeout_ms is not None and (type(timeout_ms) is not int or timeout_ms < 0):
-            raise InvalidRequest(f"audit.report: `timeout_ms` must be a non-negative integer, got {timeout_ms!r}")
-        return await self.report(session_id, min_seq=min_seq, timeout=timeout_ms / 1000 if timeout_ms else None)
+    async def _report(self, request: ReportRequest) -> AuditReport:
+        timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+        return await self.report(request.session, min_seq=request.min_seq, timeout=timeout)

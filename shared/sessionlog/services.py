@@ -19,6 +19,7 @@ from typing import Any, Generic, Protocol
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, Service
 
+from .contracts import Endpoint, ServiceSpec
 from .log import SessionLog
 from .micro import Handler, Immediate, spawning
 from .runner import ProjectionRunner, S
@@ -55,20 +56,21 @@ class ProjectionService(Generic[S]):
 
     async def _serve_endpoints(
         self,
-        name: str,
-        description: str,
-        group: str,
-        endpoints: Mapping[str, Handler],
-        immediate: Mapping[str, Immediate] | None = None,
+        service: ServiceSpec,
+        handlers: Mapping[Endpoint[Any, Any], Handler],
+        immediate: Mapping[Endpoint[Any, Any], Immediate] | None = None,
     ) -> None:
-        """The micro service `name` with one endpoint per entry, under the subject prefix `group`."""
+        """The micro service `service` with one endpoint per handler, each request decoded as its contract says."""
         self._service = await add_service(
-            self.log.nc, name=name, version=importlib.metadata.version("sessionlog"), description=description
+            self.log.nc,
+            name=service.name,
+            version=importlib.metadata.version("sessionlog"),
+            description=service.description,
         )
-        subjects = self._service.add_group(name=group)
-        for endpoint, handler in endpoints.items():
-            answer = spawning(name, endpoint, handler, self._tasks, (immediate or {}).get(endpoint))
-            await subjects.add_endpoint(EndpointConfig(name=endpoint, handler=answer))
+        subjects = self._service.add_group(name=service.group)
+        for endpoint, handler in handlers.items():
+            answer = spawning(endpoint, handler, self._tasks, (immediate or {}).get(endpoint))
+            await subjects.add_endpoint(EndpointConfig(name=endpoint.name, handler=answer))
 
     def health(self) -> dict[str, Any]:
         return self.runner.health()

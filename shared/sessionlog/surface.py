@@ -2,14 +2,18 @@
 
 `Surface` only knows seqs. Planning a replace (`plan_replace`) checks the range against the current nodes and
 returns a `ReplacePlan`; nothing changes until the session commits it. A replace costs one rebuild of the
-position index; an append is O(1).
+position index; an append is O(1). `parse_surface_op` and `parse_provenance` read an event's surface markers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ReplaceRangeInverted, ReplaceRangeNotFound
+import msgspec
+from msgspec import UNSET
+
+from .errors import InvalidSurfaceOp, ProvenanceInvalid, ReplaceRangeInverted, ReplaceRangeNotFound
+from .events import Event
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,20 +61,7 @@ class Surface:
         return self._nodes[index]
 
     def plan_replace(self, seq: int, op: ReplaceOp) -> ReplacePlan:
-        first = self._position.get(op.start)
-        if first is None:
-            raise ReplaceRangeNotFound(
-                f"surface replace: start seq {op.start} not found in surface "
-                f"(expected one of the {len(self._nodes)} current nodes)",
-                seq=seq,
-            )
-        last = self._position.get(op.end)
-        if last is None:
-            raise ReplaceRangeNotFound(
-                f"surface replace: end seq {op.end} not found in surface "
-                f"(expected one of the {len(self._nodes)} current nodes)",
-                seq=seq,
-            )
+        first, last = self._node_position("start", op.start, seq), self._node_position("end", op.end, seq)
         if first > last:
             raise ReplaceRangeInverted(
                 f"surface replace: start seq {op.start} (surface position {first}) comes after "
@@ -78,6 +69,16 @@ class Surface:
                 seq=seq,
             )
         return ReplacePlan(seq=seq, first=first, last=last, shadowed=tuple(self._nodes[first : last + 1]))
+
+    def _node_position(self, which: str, node: int, seq: int) -> int:
+        position = self._position.get(node)
+        if position is None:
+            raise ReplaceRangeNotFound(
+                f"surface replace: {which} seq {node} not found in surface "
+                f"(expected one of the {len(self._nodes)} current nodes)",
+                seq=seq,
+            )
+        return position
 
     def append(self, seq: int) -> None:
         self._position[seq] = len(self._nodes)
@@ -94,3 +95,47 @@ class Surface:
         other._position = dict(self._position)
         other.generation = self.generation
         return other
+
+
+# ---------------------------------------------------------------------------------------------- markers
+
+
+def parse_surface_op(event: Event) -> ReplaceOp | None:
+    """None for "append", a ReplaceOp for a replace; anything else is `INVALID_SURFACE_OP`."""
+    op = event.surface_op
+    if op == "append":
+        return None
+    if (
+        isinstance(op, dict)
+        and op.keys() == {"op", "start", "end"}
+        and op["op"] == "replace"
+        and all(type(op[k]) is int and op[k] >= 0 for k in ("start", "end"))
+    ):
+        return ReplaceOp(start=op["start"], end=op["end"])
+    raise InvalidSurfaceOp(
+        f'{event.type}: surfaceOp must be "append" or exactly {{"op": "replace", "start", "end"}} with '
+        f"non-negative integers, got {msgspec.json.encode(op).decode()}",
+        seq=event.seq,
+    )
+
+
+def parse_provenance(event: Event) -> tuple[int, ...] | None:
+    """The replacement's provenance (None without `sourceEventSeqs`); a malformed one is `PROVENANCE_INVALID`."""
+    seqs = event.source_event_seqs
+    if seqs is UNSET:
+        return None
+    where = f"{event.type}: sourceEventSeqs"
+    if not isinstance(seqs, list):
+        raise ProvenanceInvalid(f"{where} must be an array, got {type(seqs).__name__}", seq=event.seq)
+    if not seqs and event.type != "assistant/message":
+        raise ProvenanceInvalid(f"{where} must not be empty (only assistant/message may)", seq=event.seq)
+    seen: set[int] = set()
+    for s in seqs:
+        if type(s) is not int or s < 0:
+            raise ProvenanceInvalid(f"{where} must hold non-negative integers, got {s!r}", seq=event.seq)
+        if s >= event.seq:
+            raise ProvenanceInvalid(f"{where} names seq {s}, which is not earlier than the event itself", seq=event.seq)
+        if s in seen:
+            raise ProvenanceInvalid(f"{where} names seq {s} twice", seq=event.seq)
+        seen.add(s)
+    return tuple(seqs)

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..audit import audit_session, chunk_delays, parse_step, step_chunks
+from ..contracts import REPORT
 from ..errors import LogUnavailable
 from ..events import BlockEndChunk, ReasoningDeltaChunk, TextDeltaChunk, ToolCallDeltaChunk
 from ..log import SessionLog
@@ -19,7 +20,7 @@ from ..micro import call
 from ..reader import read_raw_exchanges
 from .logcmds import run_with_log
 
-REPORT_SUBJECT = "sessionlog.audit.report"
+REPORT_SUBJECT = REPORT.subject
 
 
 def replay(

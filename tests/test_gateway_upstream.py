@@ -83,9 +83,8 @@ async def test_a_post_is_resent_once_when_the_connection_closes_before_any_reply
     upstream = Upstream(UpstreamConfig("p", f"http://127.0.0.1:{port}/v1", timeout_s=2, connect_timeout_s=2), pool)
     try:
         with pytest.raises(UpstreamUnreachable):
-            await upstream.open(BODY)
+            await asyncio.wait_for(upstream.open(BODY), 10)
         assert requests == 2
     finally:
-        await pool.aclose()
+        await asyncio.wait_for(pool.aclose(), 10)
         server.close()
-        await server.wait_closed()

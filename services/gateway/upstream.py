@@ -211,7 +211,7 @@ class Upstream:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 # aiohttp resends only idempotent methods itself; a POST is resent here, once, on the same condition
                 if not resent and isinstance(exc, aiohttp.ClientError) and _closed_before_reply(exc):
-                    resent = False
+                    resent = True
                     continue
                 failure = _io_error(exc)
             if isinstance(failure, UpstreamReadTimeout):

@@ -34,15 +34,20 @@ test: lint $(NODE_STAMP)
 # test-output/reliability-figures.jsonl and then in the table of docs/reliability.md. The thorough Hypothesis tests run
 # in a pytest process of their own: after their thousands of examples, a RecursionError that a later test provokes
 # on purpose (deep nesting, an xfail) left CPython 3.11 unable to compile pytest's report (an INTERNALERROR).
+# The whole target at the bounded scale, into a copy of the page (a check that it runs end to end, in minutes):
+#   make reliability RELIABILITY=default RELIABILITY_HYPOTHESIS=dev RELIABILITY_PAGE=/tmp/reliability.md
+RELIABILITY ?= full
+RELIABILITY_HYPOTHESIS ?= thorough
+RELIABILITY_PAGE ?= docs/reliability.md
 reliability: $(STAMP)
 	mkdir -p test-output
 	rm -f test-output/reliability-figures.jsonl
-	SESSIONLOG_RELIABILITY=full HYPOTHESIS_PROFILE=thorough $(BIN)/pytest -q -rxX tests/test_reliability_bad_input.py \
-		-k "mutated_fixture or bad_bytes"
-	SESSIONLOG_RELIABILITY=full $(BIN)/pytest -q -rxX tests/test_reliability_*.py --deselect \
+	SESSIONLOG_RELIABILITY=$(RELIABILITY) HYPOTHESIS_PROFILE=$(RELIABILITY_HYPOTHESIS) $(BIN)/pytest -q -rxX \
+		tests/test_reliability_bad_input.py -k "mutated_fixture or bad_bytes"
+	SESSIONLOG_RELIABILITY=$(RELIABILITY) $(BIN)/pytest -q -rxX tests/test_reliability_*.py --deselect \
 		tests/test_reliability_bad_input.py::test_a_mutated_fixture_is_imported_whole_or_refused_typed_with_nothing_written \
 		--deselect tests/test_reliability_bad_input.py::test_append_refuses_bad_bytes_typed_and_queues_nothing
-	$(BIN)/python tests/reliability_table.py --mode full --write docs/reliability.md
+	$(BIN)/python tests/reliability_table.py --mode $(RELIABILITY) --write $(RELIABILITY_PAGE)
 
 demo: $(STAMP)
 	$(BIN)/sessionlog demo

@@ -496,7 +496,7 @@ async def rebuild(url: str, name: str = "context-deriver") -> tuple[int, float]:
     gc.collect()
     start = time.perf_counter()
     await runner.start()
-    while not all(p.applied >= ends[n] for n, p in runner._partitions.items()):
+    while not all(p.applied >= ends[n] for n, p in runner.feeds.items()):
         await asyncio.sleep(0.005)
     elapsed = time.perf_counter() - start
     events = sum(state.next_seq for state in runner.states.values())

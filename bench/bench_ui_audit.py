@@ -28,7 +28,7 @@ import httpx
 import msgspec
 
 from services.token_auditor.service import AuditState, TokenAuditorService
-from services.ui_replayer.page import SessionContext, render_transcript_page
+from services.ui_replayer.pages import SessionContext, render_transcript_page
 from services.ui_replayer.service import UIReplayerService
 from services.ui_replayer.views import requests_of
 from sessionlog.audit import audit_session

@@ -61,7 +61,8 @@ class Stack:
         log_ = await SessionLog.connect(settings)
         health = HealthServer(settings.metrics_host, settings.metrics_port) if settings.metrics_port else None
         stack = cls(log_, health)
-        try:
+        async with contextlib.AsyncExitStack() as on_failure:
+            on_failure.push_async_callback(stack.stop)  # a service that does not start stops those before it
             for name in names:
                 handle = await factory(name)(log_, options)
                 stack.handles[name] = handle
@@ -69,9 +70,7 @@ class Stack:
                     health.register(name, handle.health)
             if health is not None:
                 await health.start()
-        except BaseException:
-            await stack.stop()
-            raise
+            on_failure.pop_all()
         return stack
 
     async def stop(self) -> None:

@@ -6,6 +6,9 @@
 publishes onto the event stream (`HPUB sessionlog.in.`) is cut, with `"mid"` half of it forwarded and the
 connection reset (the server never gets the whole record), or with `"ack-lost"` all of it forwarded and the
 connection reset before the server's answer reaches the client (the record landed; the client cannot know).
+`throttle(bytes_per_s)` makes the link towards the server slow (a busy server: every publish gets through and is
+answered, later and later as more queue up); `throttle(None)` lifts it. `publishes` counts the publish frames
+that reached the server, repeats included.
 
 PYTEST_DONT_REWRITE: no assertions here.
 """
@@ -53,6 +56,8 @@ class FaultProxy:
         self._open.set()
         self._cut: CutMode | None = None
         self.cuts_done = 0
+        self.rate: float | None = None  # bytes per second towards the server (None: as fast as it goes)
+        self.publishes = 0
         self.connections = 0
         self._server: asyncio.Server | None = None
         self.port = 0
@@ -88,6 +93,9 @@ class FaultProxy:
     def resume(self) -> None:
         self._open.set()
 
+    def throttle(self, bytes_per_s: float | None) -> None:
+        self.rate = bytes_per_s
+
     def cut_next_publish(self, mode: CutMode) -> None:
         self._cut = mode
 
@@ -121,12 +129,21 @@ class FaultProxy:
     async def _pump(
         self, link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, upstream: bool
     ) -> None:
+        tail = b""
         try:
             while True:
-                data = await reader.read(65536)
+                rate = self.rate if upstream else None
+                # Under a throttle, small reads paced at the rate: the bytes queue in the proxy and the kernel.
+                data = await reader.read(65536 if rate is None else max(1, int(rate / 50)))
                 if not data:
                     break
                 await self._open.wait()
+                if upstream:  # a mark split across two reads is counted once, in the second
+                    seen = tail + data
+                    self.publishes += seen.count(PUBLISH_MARK)
+                    tail = seen[-(len(PUBLISH_MARK) - 1) :]
+                if rate is not None:
+                    await asyncio.sleep(len(data) / rate)
                 if upstream and self._cut is not None and PUBLISH_MARK in data:
                     mode, self._cut = self._cut, None
                     self.cuts_done += 1

@@ -48,6 +48,8 @@ CHECKPOINTS = (
     "after-final-message",  # the answering step's assistant message durable, the turn not ended
 )
 CALLS = ("call-a", "call-b")
+# The load's pause between an agent's turns (its model and its tools), in seconds: "LOW,HIGH".
+PAUSE_S = tuple(float(s) for s in os.environ.get("RELIABILITY_LOAD_PAUSE_S", "2,8").split(","))
 
 
 def die(checkpoint: str) -> None:
@@ -138,7 +140,7 @@ async def one_session(log: SessionLog, session_id: str, until: float, failures: 
             await streamed_turn(writer, f"turn {turns}", deltas=chance.randint(3, 12), tools=turns % 3)
             await writer.flush()
             turns += 1
-            await asyncio.sleep(chance.uniform(2.0, 8.0))  # an agent waits for its model and its tools
+            await asyncio.sleep(chance.uniform(*PAUSE_S))  # an agent waits for its model and its tools
         await writer.close()
     except Exception as err:  # reported, not raised: the test decides
         failures.append(f"{session_id}: {type(err).__name__}: {err}")

@@ -108,6 +108,24 @@ def test_a_config_without_a_password_in_the_environment_is_refused() -> None:
     assert accounts.password_env("writer") in done.stdout + done.stderr
 
 
+def test_make_accounts_writes_one_account_per_tenant_that_nats_server_accepts(tmp_path: Path) -> None:
+    config = shutil.copytree(NATS_DIR, tmp_path / "nats")
+    (config / "accounts.conf").write_text(accounts.render(accounts.PARTITION_COUNT, ("acme", "globex")))
+    env = {**os.environ, "NATS_SYS_PASSWORD": "sys"}
+    env |= {accounts.password_env(r, t): f"{t}-{r}" for t in ("acme", "globex") for r in ROLES}
+    done = subprocess.run([str(nats_server()), "-t", "-c", str(config / "single.conf")], env=env,
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = (config / "accounts.conf").read_text()
+    assert "SESSIONLOG_ACME {" in text and "SESSIONLOG_GLOBEX {" in text and "  SESSIONLOG {" not in text
+    users = re.findall(r"\{ user: ([\w-]+), password: \$(\w+)", text)
+    assert ("acme-writer", "NATS_ACME_WRITER_PASSWORD") in users
+    assert ("globex-admin", "NATS_GLOBEX_ADMIN_PASSWORD") in users
+    for bad in (("Acme",), ("a.b",), ("acme", "acme"), ("",)):
+        with pytest.raises(ValueError):
+            accounts.render(accounts.PARTITION_COUNT, bad)
+
+
 def test_accounts_conf_is_what_make_accounts_writes() -> None:
     partitions = int(re.search(r"--partitions (\d+)", (NATS_DIR / "accounts.conf").read_text()).group(1))
     assert partitions == accounts.PARTITION_COUNT

@@ -207,7 +207,7 @@ async def test_a_deeply_nested_record_is_quarantined_by_every_projection_and_its
             assert state.next_seq == writer.next_seq, name
 
             async def consumed(runner: Any = runner) -> bool:  # by the partition's consumer, not a load on demand
-                return bool(runner._partitions[2].applied >= writer.last_stream_seq)
+                return bool(runner.feeds[2].applied >= writer.last_stream_seq)
 
             await eventually(consumed, f"{name}: partition 2 consumed past the bad record")
             reasons = {q.stream_seq: q.reason for q in runner.quarantined}
@@ -271,7 +271,7 @@ async def test_a_record_whose_applying_raises_anything_is_quarantined_and_the_pa
     await other.flush()
 
     async def consumed() -> bool:
-        return runner._partitions[6].applied >= other.last_stream_seq
+        return runner.feeds[6].applied >= other.last_stream_seq
 
     await eventually(consumed, "partition 6 consumed past the record that raised")
     state = runner.states.get(healthy)
@@ -325,7 +325,7 @@ async def test_a_consumer_that_loses_the_server_is_not_ready_is_restarted_and_re
     await writer.flush()
 
     async def consumed() -> bool:
-        return runner._partitions[5].applied >= writer.last_stream_seq and bool(runner.health()["ready"])
+        return runner.feeds[5].applied >= writer.last_stream_seq and bool(runner.health()["ready"])
 
     await eventually(consumed, "partition 5 consumed again")
     assert runner.quarantined == []

@@ -65,3 +65,39 @@ async def test_purge_erases_records_and_header_and_projections_forget(tmp_path: 
         await log.close()
     finally:
         server.kill()
+
+
+class _CountingDeriver(ContextDeriver):
+    """Counts what the runner tells it to forget."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[str] = []
+
+    def on_forget(self, session_id: str) -> None:
+        self.forgotten.append(session_id)
+
+
+async def test_a_purge_tells_the_projection_to_forget_the_session_exactly_once(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "nats")
+    try:
+        log = await SessionLog.connect(log_settings(server.url, allow_purge=True))
+        held, not_held = await _session_with_events(log), await _session_with_events(log)
+        projection = _CountingDeriver()
+        runner = ProjectionRunner(log, projection, claim=False)
+        await runner.start()
+        await runner.wait_for(held, 1, timeout=5)
+        await runner.wait_for(not_held, 1, timeout=5)
+        runner.sessions.forget(not_held)  # evicted before its purge: the service's caches still hear of it
+        assert projection.forgotten == [not_held]
+        for session_id in (held, not_held):
+            await log.purge(session_id)
+        for _ in range(100):
+            if projection.forgotten.count(held) and projection.forgotten.count(not_held) > 1:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # a second call, were there one, comes with the first
+        assert projection.forgotten == [not_held, held, not_held]
+        await runner.stop()
+        await log.close()
+    finally:
+        server.kill()

@@ -25,6 +25,7 @@ from test_reliability_server_kill import assert_flushed_events_present_once_in_o
 
 from sessionlog.embedded import EmbeddedServer
 from sessionlog.errors import LogUnavailable, SessionLogError
+from sessionlog.log import SessionWriter
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -146,4 +147,66 @@ async def test_a_stall_longer_than_the_budget_is_log_unavailable_and_what_landed
         events_lost=0,
         error="LOG_UNAVAILABLE",
         time_to_error_s=round(failed_after, 3),
+    )
+
+
+async def test_writers_on_a_busy_link_wait_for_their_acknowledgements_and_none_fails(
+    fresh_server: EmbeddedServer, proxy: FaultProxy
+) -> None:
+    """Back-pressure: many writers share one connection to a server that answers every publish, but later than a
+    publish attempt waits (the link is throttled, as a busy server is). Each writer waits for its acknowledgement
+    while records of its connection keep being acknowledged, instead of sending its record again (which adds to the
+    queue) and failing with `LOG_UNAVAILABLE` once its budget is spent (what the load of issue 15 did at 20,000
+    events/s on 2 cores)."""
+    count = scale(40, 100)
+    budget_s = 1.5  # `publish_retry_s`: a record waits this long without any acknowledgement on its connection
+    async with (
+        Opened(fresh_server.url) as direct,
+        Opened(proxy.url, request_timeout_s=0.6, publish_retry_s=budget_s) as through,
+    ):
+        reader = await direct.connect()
+        log = await through.connect()
+        writers = [await through.create(log) for _ in range(count)]
+        before = 0
+        for writer in writers:
+            await writer.flush()
+            before += len(await reader.reader.records(writer.session_id))
+        proxy.throttle(60_000)  # bytes/s: one wave of every writer's flush takes longer than a publish attempt
+        sent_before = proxy.publishes
+        failures: list[str] = []
+
+        async def agent(writer: SessionWriter) -> None:
+            try:
+                for turn in range(2):
+                    await streamed_turn(writer, f"turn {turn}", deltas=6, tools=1)
+                await writer.flush()
+            except SessionLogError as err:
+                failures.append(f"{writer.session_id}: {err.code}: {err}")
+
+        started = time.monotonic()
+        await asyncio.gather(*(agent(writer) for writer in writers))
+        took = time.monotonic() - started
+        proxy.throttle(None)
+        sent = proxy.publishes - sent_before
+        assert failures == [], f"{len(failures)} of {count} writers failed, first: {failures[0]}"
+        written = records = 0
+        for writer in writers:
+            written += await assert_flushed_events_present_once_in_order(reader, writer)
+            records += len(await reader.reader.records(writer.session_id))
+        records -= before  # those published under the throttle
+        assert took < 120, "bounded, not a hang"
+        # Each record reached the server once or a few times, not once per attempt: nothing was sent again while
+        # the server was answering records of the connection.
+        assert sent < records * 1.5, f"{sent} publishes for {records} records"
+    record_figures(
+        "writers on a busy link: back-pressure",
+        fault=f"{count} writers on one connection, the link throttled so acknowledgements come later than a "
+        "publish attempt waits",
+        events_written=written,
+        faults_injected=1,
+        events_lost=0,
+        errors=0,
+        records=records,
+        publishes_sent=sent,
+        seconds=round(took, 1),
     )

@@ -3,14 +3,17 @@ tests/test_deploy.py generates and checks; its helpers are reused here, not copi
 
 - Nobody but the admin can purge: every other role's purge request is refused by the server (a permissions
   violation in its log, the session's records untouched); the admin's purge erases the session and every
-  projection (context-deriver, token-auditor, ui-replayer, each under its own user) forgets it.
+  projection (context-deriver, token-auditor, ui-replayer, repairer, each under its own user) forgets it.
 - The gateway refuses requests without its key (or with a wrong one) and the provider sees none of them.
 - Secrets (every NATS password, the gateway's key, the provider's key) appear in no log line (of the test's
   process, of a service process, of nats-server), in no event or raw-tee message, no KV value, and no metric.
 - The UI escapes everything it renders: markup in every field a session can carry reaches the page as text.
 
-Tenant keys are tested in the gateway's record mode under deploy's gateway user. Per-tenant NATS accounts (a writer
-that cannot publish another tenant's sessions) are not in deploy/ yet and are not tested here.
+- A writer cannot publish another tenant's sessions: with tenants configured (`make_accounts.py --tenant a --tenant
+  b`, one account each), tenant a's writer asking for tenant b's session is `SESSION_NOT_FOUND`, what it publishes
+  under that session's id lands in its own account's log, and tenant b's log is unchanged.
+
+Tenant keys are tested in the gateway's record mode under deploy's gateway user.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import nats
 import pytest
 import pytest_asyncio
 from reliability import record_figures
@@ -37,10 +41,13 @@ from test_deploy import (
     HEADER,
     PASSWORDS,
     ROLES,
+    SERVER_ENV,
+    accounts,
     connect_as,
     deploy_copy,
     log_mark,
     new_id,
+    publish_record,
     role_settings,
     serving,
     start_with_env,
@@ -49,7 +56,7 @@ from test_deploy import (
 )
 
 from sessionlog.embedded import EmbeddedServer
-from sessionlog.errors import SessionLogError
+from sessionlog.errors import SessionLogError, SessionNotFound
 from sessionlog.log import SessionLog
 from sessionlog.micro import call
 from sessionlog.record import events_filter
@@ -175,7 +182,7 @@ async def test_the_admins_purge_is_forgotten_by_every_projection_under_its_own_u
     mark = log_mark(server)
     async with contextlib.AsyncExitStack() as stack:
         services = {}
-        for name in ("context-deriver", "token-auditor", "ui-replayer"):
+        for name in ("context-deriver", "token-auditor", "ui-replayer", "repairer"):
             services[name], _ = await stack.enter_async_context(serving(server.url, name, allow_purge=True))
         ui_url = f"http://127.0.0.1:{services['ui-replayer'].port}"
 
@@ -436,3 +443,83 @@ async def test_a_tenants_key_cannot_reach_another_tenants_session(
             assert nobody.status_code == 401
         assert len(provider.received) == before + 1, "only tenant a's request reached the provider"
     assert violations(server, "gateway", since=mark) == [], "record mode needs no permission deploy/ lacks"
+
+
+TENANTS = ("a", "b")
+TENANT_PASSWORDS = {(t, r): f"{t}-{r}-{uuid.uuid4().hex[:8]}" for t in TENANTS for r in ROLES}
+
+
+@pytest.fixture(scope="module")
+def tenant_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+    """deploy/nats/single.conf with the accounts `make_accounts.py --tenant a --tenant b` writes."""
+    base = tmp_path_factory.mktemp("tenants")
+    config = deploy_copy(base / "config")
+    (config / "accounts.conf").write_text(accounts.render(accounts.PARTITION_COUNT, TENANTS))
+    started = EmbeddedServer(
+        base / "data", extra_args=["-c", str(config / "single.conf")], log_path=base / "nats-server.log"
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        for (tenant, role), password in TENANT_PASSWORDS.items():
+            mp.setenv(accounts.password_env(role, tenant), password)
+        mp.setenv("NATS_SYS_PASSWORD", SERVER_ENV["NATS_SYS_PASSWORD"])
+        started.start()
+    try:
+        yield started
+    finally:
+        started.kill()
+
+
+def tenant_settings(server: EmbeddedServer, tenant: str, role: str) -> Any:
+    user, password = accounts.user_name(role, tenant), TENANT_PASSWORDS[(tenant, role)]
+    return role_settings(server.url, role, nats_user=user, nats_password=password, allow_purge=True)
+
+
+async def test_a_tenants_writer_cannot_publish_another_tenants_session(tenant_server: EmbeddedServer) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        logs = {}
+        for tenant in TENANTS:
+            for role in ("admin", "writer"):  # the admin provisions its tenant's log first
+                log = await SessionLog.connect(tenant_settings(tenant_server, tenant, role))
+                stack.push_async_callback(log.close)
+                logs[tenant, role] = log
+        theirs = logs["b", "writer"]
+        session_id, seq = await tool_session(theirs, "tenant b's")
+
+        async def snapshot() -> tuple[Any, ...]:
+            info = await theirs.js.stream_info(theirs.settings.stream)
+            events = await theirs.reader.events(session_id)
+            return info.state.messages, info.state.last_seq, await theirs.header(session_id), events
+
+        before = await snapshot()
+        assert len(before[3]) == seq + 1
+        mine = logs["a", "writer"]
+        # Through the API: tenant b's session is not in tenant a's log, so nothing can be appended to it.
+        with pytest.raises(SessionNotFound) as refused:
+            await mine.open(session_id)
+        assert refused.value.code == "SESSION_NOT_FOUND"
+        with pytest.raises(SessionNotFound):
+            await mine.resume(session_id)
+        assert await mine.header(session_id) is None and await mine.reader.events(session_id) == []
+        # Raw, as any client of tenant a's writer user could: the same subject reaches tenant a's own stream only.
+        mark = log_mark(tenant_server)
+        nc = await nats.connect(
+            tenant_server.url,
+            user=accounts.user_name("writer", "a"),
+            password=TENANT_PASSWORDS["a", "writer"],
+            max_reconnect_attempts=0,
+        )
+        try:
+            ack = await publish_record(nc, session_id)
+        finally:
+            await nc.close()
+        assert ack.stream == mine.settings.stream
+        assert [r.stream_seq for r in await mine.reader.records(session_id)] == [ack.seq]
+        # A session of that id created in tenant a's log is tenant a's; tenant a's admin erasing it erases only that.
+        with pytest.raises(SessionLogError):
+            await mine.create(session_id)  # its records are there now (the raw publish), so it exists
+        await logs["a", "admin"].purge(session_id)
+        assert await mine.reader.events(session_id) == []
+        assert await snapshot() == before, "tenant b's log is unchanged"
+        with open(tenant_server.log_path, "rb") as f:
+            f.seek(mark)
+            assert b"Violation" not in f.read(), "tenant a's writer needed no permission it lacks"

@@ -332,19 +332,7 @@ async def test_the_same_closers_under_the_same_message_id_land_once(stack: Stack
 async def _die(service: RepairerService) -> None:
     """A repairer's process dies: its watch loop and consumers stop mid-work, its connection drops, nothing is
     released (its partition leases expire on the server)."""
-    runner = service.runner
-    runner._running = False
-    tasks = [service._watch, *runner._tasks, *(p.task for p in runner._partitions.values())]
-    for task in tasks:
-        if task is not None:
-            task.cancel()
-    for task in tasks:
-        if task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-    service._watch = None
-    runner._tasks.clear()
-    runner._partitions.clear()
+    await service.abort()
     await service.log.nc.close()
 
 

@@ -14,7 +14,6 @@ their own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -22,9 +21,11 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import msgspec
+import nats.errors
 import pytest
 import pytest_asyncio
 from natsfixtures import new_session_id
+from prometheus_client import REGISTRY
 from scaffold import LEASE_TTL_S, WAIT_S, Opened, eventually
 from sessiongen import compact_all, streamed_turn, user_message_data
 
@@ -389,7 +390,7 @@ async def test_an_idle_runner_keeps_consuming(harness: Harness, url: str) -> Non
     await writer.flush()
     await runner.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
     await asyncio.sleep(3)  # idle: a dozen empty fetches per partition
-    dead = {p.number: p.task.exception() for p in runner._partitions.values() if p.task is not None and p.task.done()}
+    dead = {n: p.task.exception() for n, p in runner.feeds.items() if p.task is not None and p.task.done()}
     assert not dead, f"partition consumers died while idle: {dead}"
     await streamed_turn(writer, "after the quiet")
     await writer.flush()
@@ -405,7 +406,7 @@ async def test_records_applied_while_a_checkpoint_is_written_are_checkpointed_la
     writer = await harness.create(log)
     number = partition_of(writer.session_id, log.settings.partition_count)
     key = f"{runner.name}.p{number}"
-    kv = runner._kv
+    kv = runner.checkpoints.kv
     real_put = kv.put
     writing, release = asyncio.Event(), asyncio.Event()
 
@@ -452,6 +453,40 @@ async def test_a_consumer_deleted_under_the_runner_is_recreated_and_nothing_is_l
     assert (await log.js.consumer_info(log.settings.stream, durable)).config.durable_name == durable
 
 
+async def test_a_burst_of_sessions_a_new_owner_never_saw_is_loaded_concurrently_each_record_applied_once(
+    harness: Harness, url: str
+) -> None:
+    log = await harness.connect(url)
+    writers = [await harness.create(log, sid) for sid in ids_in_partition(4, 24)]
+    for writer in writers:
+        await streamed_turn(writer, "before the takeover")
+        await writer.flush()
+    start = await last_stream_seq(log, partition_filter(4)) + 1
+    for writer in writers:  # one burst, each record continuing a session the new owner does not hold
+        await streamed_turn(writer, "after the takeover")
+        await writer.flush()
+    # A new owner of partition 4, starting where the records above begin (as after a checkpoint).
+    runner = await harness.runner(url, start=False, partitions=[4], from_seq=start)
+    real = runner.log.reader.records
+    in_flight, most = 0, 0
+
+    async def counted(session_id: str, **kwargs: Any) -> list[Record]:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        try:
+            return await real(session_id, **kwargs)
+        finally:
+            in_flight -= 1
+
+    runner.log.reader.records = counted  # type: ignore[method-assign]
+    await runner.start()
+    for writer in writers:
+        state = await runner.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
+        await assert_equals_clean_rebuild(log, state, writer.session_id)
+    assert most > 1, "the sessions of a burst were loaded one at a time"
+
+
 async def test_a_wait_that_times_out_leaves_nothing_behind_so_the_session_can_still_be_evicted(
     harness: Harness, url: str
 ) -> None:
@@ -462,7 +497,7 @@ async def test_a_wait_that_times_out_leaves_nothing_behind_so_the_session_can_st
     await writer.flush()
     with pytest.raises(TimeoutError):
         await runner.wait_for(writer.session_id, writer.next_seq + 5, timeout=0.5)
-    assert writer.session_id not in runner._waiters, "a timed-out waiter stays registered"
+    assert not runner.sessions.has_waiters(writer.session_id), "a timed-out waiter stays registered"
     await eventually(lambda: _true(writer.session_id not in runner.states), "the idle session evicted", timeout=5)
 
 
@@ -574,15 +609,7 @@ async def test_a_replica_that_stops_hands_its_partitions_over_at_once(harness: H
 
 async def _die(runner: ProjectionRunner[Any]) -> None:
     """A replica's process dies: its tasks stop mid-work and its connection drops; nothing is released."""
-    runner._running = False
-    tasks = [*runner._tasks, *(p.task for p in runner._partitions.values() if p.task is not None)]
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-    runner._tasks.clear()
-    runner._partitions.clear()
+    await runner.abort()
     await runner.log.nc.close()
 
 
@@ -647,7 +674,7 @@ async def test_a_poison_record_is_quarantined_and_the_next_records_still_apply(o
     state = await runner.wait_for(healthy, other.durable_seq, timeout=WAIT_S)
     await assert_equals_clean_rebuild(log, state, healthy)
     assert [q.stream_seq for q in runner.quarantined][-1] == seq_after
-    assert runner._partitions[partition].task is not None and not runner._partitions[partition].task.done()
+    assert runner.feeds[partition].task is not None and not runner.feeds[partition].task.done()
 
     # A rebuild meets the same poison and quarantines the same records.
     rebuilt = await harness.runner(own_url, rebuild=True)
@@ -700,3 +727,31 @@ async def test_a_restart_past_a_poison_record_quarantines_the_session_when_it_go
     state = await runner.wait_for(healthy, other.durable_seq, timeout=3)
     await assert_equals_clean_rebuild(log, state, healthy)
     assert after in [q.stream_seq for q in runner.quarantined]
+
+
+async def test_checkpoint_and_quarantine_writes_that_fail_are_logged_and_counted(
+    own: tuple[str, Harness], caplog: pytest.LogCaptureFixture
+) -> None:
+    own_url, harness = own
+    log = await harness.connect(own_url)
+    runner = await harness.runner(own_url)
+    await runner.wait_ready()
+
+    async def refused(name: str, value: bytes, *args: Any, **kwargs: Any) -> int:
+        raise nats.errors.TimeoutError  # the bucket's leader does not answer
+
+    runner.checkpoints.kv.put = refused
+
+    def failures(kind: str) -> float:
+        labels = {"projection": runner.name, "kind": kind}
+        return REGISTRY.get_sample_value("sessionlog_projection_kv_write_failures_total", labels) or 0.0
+
+    writer = await harness.create(log)
+    await streamed_turn(writer, "checkpointed into a bucket that does not answer")
+    await writer.flush()
+    await runner.wait_for(writer.session_id, writer.durable_seq, timeout=WAIT_S)
+    await publish_raw(log, new_session_id(), b"not a record", None)
+    await eventually(lambda: _true(failures("checkpoint") >= 1), "a failed checkpoint write counted")
+    await eventually(lambda: _true(failures("quarantine") >= 1), "a failed quarantine write counted")
+    logged = [r.getMessage() for r in caplog.records if r.name == "sessionlog.checkpoints"]
+    assert any("checkpoint write" in m for m in logged) and any("quarantine write" in m for m in logged), logged

@@ -116,6 +116,25 @@ async def test_a_replica_that_does_not_own_the_session_reports_from_the_stream(
         await service.stop()
 
 
+async def test_a_replica_that_does_not_own_the_session_waits_for_min_seq_as_the_owner_does(log: SessionLog) -> None:
+    # It used to refuse at once (LOG_UNAVAILABLE) when the stream did not hold `min_seq` yet, where the owner waits:
+    # the answer depended on which replica took the request.
+    service = TokenAuditorService(log, partitions=[], raw_feed=False)
+    await service.start()
+    try:
+        writer = await log.create(new_session_id())
+        await writer.emit("turn/start", {"turn": 1})
+        await writer.flush()
+        asked = asyncio.ensure_future(service.report(writer.session_id, min_seq=1, timeout=WAIT_S))
+        await asyncio.sleep(0.05)  # the report is waiting when the seq lands
+        await writer.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}})
+        await writer.flush()
+        assert (await asyncio.wait_for(asked, WAIT_S)).findings == []
+        await writer.close()
+    finally:
+        await service.stop()
+
+
 async def test_unknown_and_malformed_report_requests_are_refused_with_their_codes(
     log: SessionLog, auditor: TokenAuditorService
 ) -> None:

@@ -12,35 +12,21 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from browserfixtures import skip_without_chromium
 from conftest import REPO_ROOT
 from natsfixtures import new_session_id
 from scaffold import serving
-from sessiongen import text_block, tool_call_block, user_message_data
+from sessiongen import text_block, tool_call_block, tool_result_data, user_message_data
 
 from services.ui_replayer.service import UIReplayerService
 from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.repair import interrupted_turn_closers
 
-CHROMIUM = Path("/usr/bin/chromium")
-if not CHROMIUM.exists():
-    pytest.skip(
-        f"{CHROMIUM} is not installed (CI installs Debian's chromium in .ci/run; `apt-get install chromium` here)",
-        allow_module_level=True,
-    )
-playwright_api = pytest.importorskip("playwright.async_api", reason="the playwright Python package is not installed")
+skip_without_chromium()
 
-pytest_plugins = ["natsfixtures"]
+pytest_plugins = ["natsfixtures", "browserfixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
-LAUNCH_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 WAIT_MS = 10_000
 SCRIPT = '<script>window.__pwned = "script"</script><img src=x onerror="window.__pwned = \'img\'">'
 SCREENSHOTS = REPO_ROOT / "test-output" / "ui-browser"
@@ -51,30 +37,6 @@ async def ui(log: SessionLog) -> AsyncIterator[UIReplayerService]:
     partitions = list(range(log.settings.partition_count))
     async with serving(UIReplayerService(log, host="127.0.0.1", port=0, partitions=partitions)) as service:
         yield service
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def browser() -> AsyncIterator[Any]:
-    async with playwright_api.async_playwright() as p:
-        chromium = await p.chromium.launch(executable_path=str(CHROMIUM), args=LAUNCH_ARGS)
-        try:
-            yield chromium
-        finally:
-            await chromium.close()
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def page(browser: Any) -> AsyncIterator[Any]:
-    context = await browser.new_context(viewport={"width": 1100, "height": 900})
-    tab = await context.new_page()
-    tab.dialogs = []
-    tab.on("dialog", lambda dialog: tab.dialogs.append(dialog.message))
-    tab.errors = []
-    tab.on("pageerror", lambda error: tab.errors.append(str(error)))
-    try:
-        yield tab
-    finally:
-        await context.close()
 
 
 def screenshot_path(tmp_path: Path, name: str) -> Path:
@@ -136,16 +98,7 @@ async def compacted_forked_interrupted(log: SessionLog) -> tuple[str, str, dict[
     await writer.emit("step/start", {"turn": 1, "step": 1})
     await answer(writer, 1, 1, [tool_call_block("call-1", "read", '{"path":"notes.txt"}')])
     call = await writer.emit("tool/call", {"turn": 1, "step": 1, "callId": "call-1", "name": "read", "arguments": "{}"})
-    result = {
-        "turn": 1,
-        "step": 1,
-        "message": {
-            "id": "r1",
-            "role": "user",
-            "source": {"kind": "tool", "callId": "call-1"},
-            "content": [{"type": "tool-result", "toolCallId": "call-1", "content": [text_block("buy milk")]}],
-        },
-    }
+    result = tool_result_data(1, 1, "call-1", "buy milk", msg_id="r1")
     await writer.emit("tool/result", result, surface_op="append", source_event_seqs=[call.seq])
     await writer.emit("step/end", {"turn": 1, "step": 1})
     await writer.emit("step/start", {"turn": 1, "step": 2})

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import html
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import msgspec
+import nats.errors
 import pytest
 import pytest_asyncio
 from natsfixtures import log_settings, new_session_id
@@ -22,9 +24,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from test_fixtures_corpus import FIXTURE_FILES, import_corpus, read_fixture
 
-from services.stack import factory
+from services.stack import Stack, factory
 from services.ui_replayer.service import UIReplayerService
-from sessionlog.errors import CODES, error_from_code
+from sessionlog.errors import CODES, PortInUse, error_from_code
 from sessionlog.events import SURFACE_TYPES
 from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.services import RunOptions
@@ -351,9 +353,22 @@ async def test_the_registered_factory_serves_on_the_configured_port_and_rebuilds
         await own.close()
 
 
-def _free_port() -> int:
-    import socket
+async def test_a_stack_whose_ui_replayer_cannot_take_its_port_refuses_and_stops_what_it_had_started(
+    nats_server: Any, log: SessionLog
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = log_settings(nats_server.url, ui_host="127.0.0.1", ui_port=port, metrics_port=0)
+        with pytest.raises(PortInUse, match="SESSIONLOG_UI_PORT"):
+            await Stack.start(["context-deriver", "ui-replayer"], settings)
+    # The context-deriver started first, on the stack's own connection: it no longer answers.
+    with pytest.raises(nats.errors.NoRespondersError):
+        await log.nc.request("sessionlog.context.stats", b"{}", timeout=WAIT_S)
 
+
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -7,7 +7,6 @@ inert HTML. Each view's JSON endpoint is checked beside its page. Screenshots go
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,13 +14,14 @@ import httpx
 import msgspec
 import pytest
 import pytest_asyncio
+from browserfixtures import skip_without_chromium
 from conftest import FIXTURES_DIR, REPO_ROOT
 from natsfixtures import new_session_id
 from scaffold import WAIT_S, eventually, serving
-from sessiongen import closed_turn, text_block, tool_call_block, user_message_data
+from sessiongen import closed_turn, text_block, tool_call_block, tool_result_data, user_message_data
 from test_fixtures_corpus import read_fixture
 from test_runner import publish_raw
-from test_ui_browser import LAUNCH_ARGS, answer, compacted_forked_interrupted
+from test_ui_browser import answer, compacted_forked_interrupted
 
 from services.ui_replayer.service import UIReplayerService
 from sessionlog.log import SessionLog
@@ -29,12 +29,9 @@ from sessionlog.metrics import REQUESTS
 from sessionlog.record import H_RAW_KIND, H_RAW_REQUEST_ID, H_RAW_SESSION_SEQ, H_RAW_STATUS, raw_subject
 from sessionlog.wire import to_wire
 
-CHROMIUM = shutil.which("chromium")
-if CHROMIUM is None:
-    pytest.skip("Debian's chromium is not installed (`apt-get install chromium`)", allow_module_level=True)
-playwright_api = pytest.importorskip("playwright.async_api", reason="the playwright Python package is not installed")
+skip_without_chromium()
 
-pytest_plugins = ["natsfixtures"]
+pytest_plugins = ["natsfixtures", "browserfixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 
 WAIT_MS = 10_000
@@ -60,28 +57,9 @@ async def http(ui: UIReplayerService) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def browser() -> AsyncIterator[Any]:
-    async with playwright_api.async_playwright() as p:
-        chromium = await p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
-        try:
-            yield chromium
-        finally:
-            await chromium.close()
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def page(browser: Any) -> AsyncIterator[Any]:
-    context = await browser.new_context(viewport={"width": 1440, "height": 900})
-    tab = await context.new_page()
-    tab.dialogs = []
-    tab.on("dialog", lambda dialog: tab.dialogs.append(dialog.message))
-    tab.errors = []
-    tab.on("pageerror", lambda error: tab.errors.append(str(error)))
-    try:
-        yield tab
-    finally:
-        await context.close()
+@pytest.fixture(scope="module")
+def viewport_width() -> int:
+    return 1440
 
 
 async def shot(tab: Any, name: str) -> None:
@@ -352,16 +330,7 @@ async def test_markup_in_every_field_of_the_log_is_shown_as_text_on_every_page(
     block = tool_call_block("call-1", XSS, '{"x": 1}')
     await answer(writer, 1, 1, [block])
     await writer.emit("tool/call", {"turn": 1, "step": 1, "callId": "call-1", "name": XSS, "arguments": "{}"})
-    result = {
-        "turn": 1,
-        "step": 1,
-        "message": {
-            "id": "r1",
-            "role": "user",
-            "source": {"kind": "tool", "callId": "call-1"},
-            "content": [{"type": "tool-result", "toolCallId": "call-1", "content": [text_block(XSS)]}],
-        },
-    }
+    result = tool_result_data(1, 1, "call-1", XSS, msg_id="r1")
     call_seq = len(writer.session) - 1
     await writer.emit("tool/result", result, surface_op="append", source_event_seqs=[call_seq])
     await writer.emit("step/end", {"turn": 1, "step": 1})

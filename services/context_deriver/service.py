@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import time
 from collections.abc import Sequence
 from typing import Any, ClassVar, Final
 
@@ -22,8 +20,7 @@ from sessionlog.contracts import (
 from sessionlog.errors import EventTooLarge, InvalidBoundary, LogUnavailable, SessionLogError, SessionNotFound
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
-from sessionlog.record import Record
-from sessionlog.runner import Projection, ProjectionRunner, SessionState
+from sessionlog.runner import NotReached, Projection, ProjectionRunner, SessionLogState
 from sessionlog.services import ProjectionService
 from sessionlog.session import DerivedMessage, Session
 
@@ -31,18 +28,13 @@ SERVICE: Final = contracts.CONTEXT.name
 PAGE_FRACTION: Final = 0.8  # of the server's max payload, leaving room for the envelope
 
 
-class DeriverState(SessionState):
+class DeriverState(SessionLogState):
     """One session's validated log; the surface and derived messages live in its `Session`."""
 
     def __init__(self, session_id: str) -> None:
         super().__init__(session_id)
-        self.session = Session()
         self._digest_key: tuple[int, int] | None = None
         self._digest: tuple[bytes, str] = (b"[]", hashlib.sha256(b"[]").hexdigest())
-
-    def apply(self, record: Record) -> None:
-        for raw in record.events:
-            self.session.append(raw)
 
     def canonical(self) -> tuple[bytes, str]:
         """The canonical messages array and its SHA-256, cached until the session changes."""
@@ -97,33 +89,15 @@ class ContextDeriverService(ProjectionService[DeriverState]):
         unknown = session_id not in self.runner.states and await self.log.header(session_id) is None
         if unknown and await self.log.reader.last_record(session_id) is None:  # every replica answers the same
             raise SessionNotFound(f"session {session_id} not found")
-        if self.runner.owns(session_id):
-            if min_seq is not None:
-                try:
-                    return (await self.runner.wait_for(session_id, min_seq, timeout)).session
-                except TimeoutError as exc:
-                    raise LogUnavailable(str(exc)) from None
-            state = await self.runner.state(session_id)
-            if state is not None:
-                return state.session
-        else:
-            deadline = time.monotonic() + timeout
-            while True:
-                events = await self.log.reader.events(session_id)
-                if events and (min_seq is None or len(events) > min_seq):
-                    return Session(events)
-                if time.monotonic() >= deadline or (not events and min_seq is None):
-                    break
-                await asyncio.sleep(0.01)
-            if events:
-                raise LogUnavailable(
-                    f"session {session_id}: seq {min_seq} not in the log within {timeout}s (have {len(events) - 1})"
-                )
+        try:
+            state = await self.runner.session_at(session_id, min_seq, timeout)
+        except NotReached as exc:
+            raise LogUnavailable(str(exc)) from None
+        if state is not None:
+            return state.session
         if await self.log.header(session_id) is None:
             raise SessionNotFound(f"session {session_id} not found")
-        if min_seq is not None and min_seq >= 0:
-            raise LogUnavailable(f"session {session_id}: seq {min_seq} not in the log within {timeout}s (empty)")
-        return Session()
+        return Session()  # a header and no events yet
 
     # ---------------------------------------------------------------------------------- endpoints
 

@@ -25,7 +25,6 @@ import contextlib
 import gc
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Final
@@ -48,6 +47,7 @@ from sessionlog.errors import (
 )
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
+from sessionlog.lru import LRU
 from sessionlog.settings import Settings
 from sessionlog.wire import (
     Divergence,
@@ -111,7 +111,7 @@ class Gateway:
         self._upstreams: dict[str, Upstream] = {}
         self._default: Upstream | None = None
         self._tee: RawTee | None = None
-        self._caches: OrderedDict[str, WireCache] = OrderedDict()
+        self._caches: LRU[str, WireCache] = LRU(self.config.max_sessions)
         self.tenants = Tenants.from_settings(settings, self.config.api_key)
         self.recorder = Recorder(self)
         self.started = False
@@ -268,13 +268,10 @@ class Gateway:
         self.tenants.tenant(request.headers)
 
     def _cache(self, session_id: str) -> WireCache:
-        cache = self._caches.get(session_id)
+        cache = self._caches.use(session_id)
         if cache is None:
-            cache = self._caches[session_id] = WireCache()
-            while len(self._caches) > self.config.max_sessions:
-                self._caches.popitem(last=False)
-        else:
-            self._caches.move_to_end(session_id)
+            cache = WireCache()
+            self._caches.put(session_id, cache)
         return cache
 
     def _route(self, provider: str) -> Upstream:

@@ -3,24 +3,23 @@
 `DerivationSource.derive(session_id, min_seq)` answers with the derived messages, the folded header and the open
 step of the durable log once it holds at least seq `min_seq` (the last seq the caller says it flushed, inclusive).
 
-- `StreamSource` reads the event stream itself. It keeps a live `Session` per recently used session and, on every
-  call, reads only the records after the last one it applied (one direct-get round trip when nothing is new), so a
-  long session is validated once, not once per request. It always reads the tail: the invariant is about the
-  durable log at dispatch time, not about what the caller claims.
+- `StreamSource` reads the event stream itself, through the projection runtime's `SessionCache`: it keeps a live
+  `Session` per recently used session and, on every call, reads only the records after the last one it applied
+  (one direct-get round trip when nothing is new), so a long session is validated once, not once per request. It
+  always reads the tail: the invariant is about the durable log at dispatch time, not about what the caller
+  claims. It waits for `min_seq` by the cache's one rule (bounded by `wait_s`).
 - `ContextDeriverClient` asks the context-deriver (`sessionlog.context.derive`, request and reply declared in
   `sessionlog.contracts`) and falls back to a `StreamSource` when no deriver answers in time.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, ClassVar, Final, Protocol
 
 import msgspec
 from nats.aio.client import Client
@@ -30,13 +29,14 @@ from sessionlog.errors import (
     CorruptLog,
     DerivationDiverges,
     LogUnavailable,
-    SessionLogError,
     SessionNotFound,
 )
 from sessionlog.events import Message, RequestHeader, canonical_json
 from sessionlog.log import SessionLog
+from sessionlog.lru import LRU
 from sessionlog.micro import UnreadableReply, ask
 from sessionlog.session import DerivedMessage, DerivedMessages, FoldedHeader, Session
+from sessionlog.sessioncache import NotReached, Projection, SessionCache, SessionLogState
 from sessionlog.wire import PHRASE
 
 log = logging.getLogger("sessionlog.gateway")
@@ -71,83 +71,43 @@ def _not_reached(session_id: str, min_seq: int, last: int, waited: float) -> Der
     )
 
 
-class _Live:
-    __slots__ = ("last_stream_seq", "lock", "session")
+class _Logs(Projection[SessionLogState]):
+    """The gateway's sessions: their validated logs, nothing more."""
 
-    def __init__(self, session: Session, last_stream_seq: int) -> None:
-        self.session = session
-        self.last_stream_seq = last_stream_seq
-        self.lock = asyncio.Lock()
+    name: ClassVar[str] = "gateway-stream"
+
+    def new_state(self, session_id: str) -> SessionLogState:
+        return SessionLogState(session_id)
 
 
 class StreamSource:
-    """Derives from the event stream directly, keeping recently used sessions live (LRU, `max_sessions`)."""
+    """Derives from the event stream directly, keeping recently used sessions live (`max_sessions`) in the
+    runtime's session cache: its `session_at` catches a session up from the stream and waits for `min_seq`."""
 
-    def __init__(
-        self, log: SessionLog, *, wait_s: float = 5.0, poll_s: float = 0.005, max_sessions: int = 1024
-    ) -> None:
+    def __init__(self, log: SessionLog, *, wait_s: float = 5.0, max_sessions: int = 1024) -> None:
         self._log = log
         self._wait_s = wait_s
-        self._poll_s = poll_s
-        self._max = max_sessions
-        self._live: OrderedDict[str, _Live] = OrderedDict()
-
-    async def _load(self, session_id: str) -> _Live:
-        if await self._log.header(session_id) is None:
-            raise SessionNotFound(f"session {session_id} not found")
-        records = await self._log.reader.records(session_id)
-        session = Session(e for r in records for e in r.events)
-        return _Live(session, records[-1].stream_seq if records else 0)
-
-    async def _catch_up(self, session_id: str, live: _Live) -> bool:
-        """Apply the records after the last one applied; False when the log no longer continues the cached one."""
-        records = await self._log.reader.records(session_id, from_stream_seq=live.last_stream_seq + 1)
-        if records and records[0].first_seq != len(live.session):
-            return False
-        for record in records:
-            for raw in record.events:
-                live.session.append(raw)
-            live.last_stream_seq = record.stream_seq
-        return True
+        self._sessions = SessionCache(log, _Logs(), max_sessions=max_sessions)
 
     async def derive(self, session_id: str, min_seq: int | None) -> Derivation:
-        live = self._live.get(session_id)
-        if live is None:
-            live = await self._load(session_id)
-            live = self._live.setdefault(session_id, live)
-        self._live.move_to_end(session_id)
-        while len(self._live) > self._max:
-            self._live.popitem(last=False)
+        if session_id not in self._sessions.states and await self._log.header(session_id) is None:
+            raise SessionNotFound(f"session {session_id} not found")
         started = time.monotonic()
-        delay = self._poll_s
-        async with live.lock:
-            while True:
-                try:
-                    if not await self._catch_up(session_id, live):
-                        log.warning("session %s: the log does not continue the cached one; reloading", session_id)
-                        fresh = await self._load(session_id)
-                        live.session, live.last_stream_seq = fresh.session, fresh.last_stream_seq
-                except SessionLogError:
-                    self._live.pop(session_id, None)  # never keep a half-applied record
-                    raise
-                session = live.session
-                if min_seq is None or len(session) > min_seq:
-                    break
-                waited = time.monotonic() - started
-                if waited >= self._wait_s:
-                    raise _not_reached(session_id, min_seq, len(session) - 1, waited)
-                await asyncio.sleep(min(delay, max(0.0, self._wait_s - waited)))
-                delay = min(delay * 2, 0.1)
-            step = session.open_step
-            return Derivation(
-                session_id=session_id,
-                seq=len(session) - 1,
-                messages=session.derive_messages(),
-                header=session.fold_request_header(),
-                open_step=(session.open_turn or 0, step.number) if step is not None else None,
-                generation=session.generation,
-                source="stream",
-            )
+        try:
+            state = await self._sessions.session_at(session_id, min_seq, self._wait_s)
+        except NotReached as exc:
+            raise _not_reached(session_id, exc.min_seq, exc.have, time.monotonic() - started) from None
+        session = state.session if state is not None else Session()
+        step = session.open_step
+        return Derivation(
+            session_id=session_id,
+            seq=len(session) - 1,
+            messages=session.derive_messages(),
+            header=session.fold_request_header(),
+            open_step=(session.open_turn or 0, step.number) if step is not None else None,
+            generation=session.generation,
+            source="stream",
+        )
 
 
 # ---------------------------------------------------------------------------------------------- deriver client
@@ -235,8 +195,7 @@ class ContextDeriverClient:
         self.fallbacks = 0
         self.incremental = 0  # replies that carried only the added messages
         self._skip_until = 0.0
-        self._known: OrderedDict[str, _Known] = OrderedDict()
-        self._max = max_sessions
+        self._known: LRU[str, _Known] = LRU(max_sessions)
 
     async def _request(self, request: DeriveRequest) -> DeriveReply:
         return await ask(self._nc, DERIVE, request, timeout=self._timeout, subject=self._subject)
@@ -256,9 +215,9 @@ class ContextDeriverClient:
                 if first.messages_from is not None:
                     if self._extend(known, first):
                         self.incremental += 1
-                        self._known.move_to_end(session_id)
+                        self._known.touch(session_id)
                         return self._derivation(session_id, first, known, min_seq)
-                    self._known.pop(session_id, None)  # it does not check out: fetch the whole list
+                    self._known.pop(session_id)  # it does not check out: fetch the whole list
                     first = await self._request(request)
             else:
                 first = await self._request(request)
@@ -283,10 +242,7 @@ class ContextDeriverClient:
             fresh.extend([canonical_json(m) for m in raws], seqs)
             if fresh.sha256() != first.sha256:
                 raise CorruptLog(f"context-deriver reply for {session_id}: messages do not match their sha256")
-        self._known[session_id] = fresh
-        self._known.move_to_end(session_id)
-        while len(self._known) > self._max:
-            self._known.popitem(last=False)
+        self._known.put(session_id, fresh)
         return self._derivation(session_id, first, fresh, min_seq)
 
     def _extend(self, known: _Known, reply: DeriveReply) -> bool:

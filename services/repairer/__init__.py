@@ -13,6 +13,6 @@ already closed answers `{"closers": []}`.
 
 from __future__ import annotations
 
-from .service import Repairer, RepairerService, RepairState
+from .service import Repairer, RepairerService
 
-__all__ = ["RepairState", "Repairer", "RepairerService"]
+__all__ = ["Repairer", "RepairerService"]

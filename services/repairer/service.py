@@ -17,9 +17,8 @@ from sessionlog.ids import check_session_id
 from sessionlog.leases import Leases
 from sessionlog.log import SessionLog
 from sessionlog.record import Record
-from sessionlog.runner import Projection, ProjectionRunner, SessionState
+from sessionlog.runner import Projection, ProjectionRunner, SessionLogState
 from sessionlog.services import ProjectionService
-from sessionlog.session import Session
 from sessionlog.tasks import cancel_and_wait
 
 SERVICE: Final = contracts.REPAIR.name
@@ -29,33 +28,23 @@ RETRY_MAX_S: Final = 300.0
 log = logging.getLogger("sessionlog.repairer")
 
 
-class RepairState(SessionState):
-    def __init__(self, session_id: str) -> None:
-        super().__init__(session_id)
-        self.session = Session()
-
-    def apply(self, record: Record) -> None:
-        for raw in record.events:
-            self.session.append(raw)
-
-
-class Repairer(Projection[RepairState]):
+class Repairer(Projection[SessionLogState]):
     name: ClassVar[str] = "repairer"
 
     def __init__(self) -> None:
         self.open_turns: dict[str, int] = {}  # session -> open turn
 
-    def new_state(self, session_id: str) -> RepairState:
-        return RepairState(session_id)
+    def new_state(self, session_id: str) -> SessionLogState:
+        return SessionLogState(session_id)
 
-    def on_applied(self, state: RepairState, record: Record) -> None:
+    def on_applied(self, state: SessionLogState, record: Record) -> None:
         if state.session.open_turn is None:
             self.open_turns.pop(state.session_id, None)
         else:
             self.open_turns[state.session_id] = state.session.open_turn
 
 
-class RepairerService(ProjectionService[RepairState]):
+class RepairerService(ProjectionService[SessionLogState]):
     def __init__(self, log_: SessionLog, **runner_options: Any) -> None:
         self.projection = Repairer()
         super().__init__(log_, ProjectionRunner(log_, self.projection, **runner_options))
@@ -90,6 +79,11 @@ class RepairerService(ProjectionService[RepairState]):
     async def stop(self) -> None:
         await cancel_and_wait(self._watch)
         await super().stop()
+
+    async def abort(self) -> None:
+        await cancel_and_wait(self._watch)
+        self._watch = None
+        await super().abort()
 
     def health(self) -> dict[str, Any]:
         health = super().health()

@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
-import nats.errors
-from nats.js import api
-from nats.js.errors import KeyNotFoundError, NotFoundError
 from prometheus_client import Counter
 
 from sessionlog import contracts
@@ -26,18 +19,17 @@ from sessionlog.audit import (
 )
 from sessionlog.contracts import ReportRequest
 from sessionlog.errors import LogUnavailable, SessionNotFound
+from sessionlog.feed import CheckpointedFeed
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
-from sessionlog.provision import RAW_ALL
+from sessionlog.pull import Delivery
 from sessionlog.reader import read_raw_exchanges
 from sessionlog.record import Record
-from sessionlog.runner import Projection, ProjectionRunner, SessionState
+from sessionlog.runner import NotReached, Projection, ProjectionRunner, SessionLogState
 from sessionlog.services import ProjectionService
 from sessionlog.session import Session
-from sessionlog.tasks import cancel_and_wait
 
 SERVICE: Final = contracts.AUDIT.name
-RAW_CHECKPOINT_EVERY_S: Final = 1.0
 
 FINDINGS: Final = Counter("sessionlog_audit_findings_total", "Audit findings, by code", ["code"])
 TOKENS: Final = Counter(
@@ -53,16 +45,16 @@ log = logging.getLogger("sessionlog.token_auditor")
 _KINDS: Final = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens", "reasoning_tokens")
 
 
-class AuditState(SessionState):
+class AuditState(SessionLogState):
     """One session's validated log and its running audit."""
 
     def __init__(self, session_id: str, model_aliases: Mapping[str, str]) -> None:
         super().__init__(session_id)
-        self.session = Session()
         self.auditor = SessionAuditor(session_id, model_aliases=model_aliases)
 
     def apply(self, record: Record) -> None:
-        # The session validates (and may refuse, changing nothing) before the auditor sees the event.
+        # The auditor's fast path appends to the session itself: the session validates (and may refuse,
+        # changing nothing) before the auditor sees the event.
         self.auditor.feed(record.events, self.session)
 
 
@@ -81,7 +73,8 @@ class TokenAuditor(Projection[AuditState]):
         return AuditState(session_id, self.model_aliases)
 
     def on_applied(self, state: AuditState, record: Record) -> None:
-        self.export(state.session_id, state.auditor)
+        if state.owned:  # a view of another replica's session: that replica counts its findings
+            self.export(state.session_id, state.auditor)
 
     def export(self, session_id: str, auditor: SessionAuditor) -> None:
         findings = auditor.findings
@@ -125,106 +118,45 @@ class TokenAuditorService(ProjectionService[AuditState]):
         self.projection = TokenAuditor(dict(log_.settings.provider_model_map))
         super().__init__(log_, ProjectionRunner(log_, self.projection, **runner_options))
         self._raw_feed = raw_feed
-        self._rebuild = bool(runner_options.get("rebuild"))
-        self._feed: asyncio.Task[None] | None = None
-        self.raw_applied = 0  # stream seq of the last raw-tee message the feed handled
-        self._raw_checkpointed = 0
+        self._feed: CheckpointedFeed | None = None
 
     async def _start(self) -> None:
         await super()._start()
         if self._raw_feed:
-            start = await self._raw_start_seq()
-            self._feed = asyncio.create_task(self._feed_loop(start), name="token-auditor-raw")
+            # The same checkpointed feed as the partitions': a consumer of this replica's own on the raw stream
+            # (every replica reads every exchange and audits those of the sessions it owns).
+            assembler = RawAssembler()
+
+            async def take(item: Delivery) -> None:
+                try:
+                    exchange = assembler.add(item.msg.headers or {}, item.msg.data)
+                    if exchange is not None:
+                        RAW_EXCHANGES.inc()
+                        await self._take_raw(item.msg.subject.rsplit(".", 1)[-1], exchange)
+                except Exception as err:  # a bad message must not stop the audit: the report reads the tee again
+                    log.warning("token-auditor: raw stream seq %d skipped: %s", item.stream_seq, err)
+
+            self._feed = self.runner.follow(self.settings.raw_stream, None, "raw", take)  # all of it
         await self._serve_endpoints(contracts.AUDIT, {contracts.REPORT: self._report})
+
+    @property
+    def raw_applied(self) -> int:
+        """Stream seq of the last raw-tee message the feed handled."""
+        return self._feed.applied if self._feed is not None else 0
 
     def health(self) -> dict[str, Any]:
         health = super().health()
-        health["raw_feed"] = self._feed is not None and not self._feed.done()
+        health["raw_feed"] = self._feed is not None and self._feed.task is not None and not self._feed.task.done()
         health["raw_applied"] = self.raw_applied
         return health
 
-    async def stop(self) -> None:
-        if self._feed is not None:
-            await cancel_and_wait(self._feed)
-            await self._raw_checkpoint(force=True)
-        await super().stop()
-
     # ---------------------------------------------------------------------------------- raw tee
-
-    def _raw_key(self) -> str:
-        return f"{self.projection.name}.raw"
-
-    async def _raw_start_seq(self) -> int:
-        if self._rebuild:
-            return 1
-        try:
-            kv = await self.log.js.key_value(self.settings.kv_checkpoints)
-            entry = await kv.get(self._raw_key())
-            seq = int(json.loads(entry.value or b"{}").get("stream_seq", 0))
-        except (KeyNotFoundError, NotFoundError, ValueError):
-            seq = 0
-        self.raw_applied = self._raw_checkpointed = seq
-        return seq + 1
-
-    async def _raw_checkpoint(self, *, force: bool = False) -> None:
-        if self.raw_applied <= self._raw_checkpointed and not force:
-            return
-        if self.raw_applied == 0:
-            return
-        body = json.dumps({"stream_seq": self.raw_applied, "replica": self.runner.replica_id}).encode()
-        with contextlib.suppress(Exception):
-            kv = await self.log.js.key_value(self.settings.kv_checkpoints)
-            await kv.put(self._raw_key(), body)
-            self._raw_checkpointed = self.raw_applied
-
-    async def _feed_loop(self, start: int) -> None:
-        """Follow the raw stream; give each complete exchange of an owned session to its audit."""
-        assembler = RawAssembler()
-        while True:
-            try:
-                sub = await self.log.js.subscribe(
-                    RAW_ALL,
-                    stream=self.settings.raw_stream,
-                    ordered_consumer=True,
-                    deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-                    config=api.ConsumerConfig(opt_start_seq=max(1, start)),
-                )
-            except (nats.errors.Error, NotFoundError) as err:
-                log.warning("token-auditor: cannot follow the raw stream %s: %s", self.settings.raw_stream, err)
-                await asyncio.sleep(1.0)
-                continue
-            last_checkpoint = time.monotonic()
-            try:
-                while True:
-                    try:
-                        msg = await sub.next_msg(timeout=1.0)
-                    except (TimeoutError, nats.errors.TimeoutError):
-                        await self._raw_checkpoint()
-                        continue
-                    start = msg.metadata.sequence.stream + 1
-                    session_id = msg.subject.rsplit(".", 1)[-1]
-                    exchange = assembler.add(msg.headers or {}, msg.data)
-                    if exchange is not None:
-                        RAW_EXCHANGES.inc()
-                        await self._take_raw(session_id, exchange)
-                    self.raw_applied = start - 1
-                    if time.monotonic() - last_checkpoint >= RAW_CHECKPOINT_EVERY_S:
-                        await self._raw_checkpoint()
-                        last_checkpoint = time.monotonic()
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # keep following: a bad message or a reconnect must not stop the audit
-                log.warning("token-auditor: raw feed interrupted: %s", err)
-                await asyncio.sleep(0.2)
-            finally:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
 
     async def _take_raw(self, session_id: str, exchange: RawExchange) -> None:
         if not self.runner.owns(session_id):
             return  # the replica that owns the session audits it
         try:
-            state = await self.runner.state(session_id)
+            state = await self.runner.session_at(session_id)
         except Exception as err:  # a quarantined session: nothing to compare with
             log.warning("token-auditor: raw exchange %s of %s not audited: %s", exchange.request_id, session_id, err)
             return
@@ -242,31 +174,16 @@ class TokenAuditorService(ProjectionService[AuditState]):
         raw = await read_raw_exchanges(
             self.log.nc, self.settings.raw_stream, session_id, timeout=self.settings.request_timeout_s
         )
-        if self.runner.owns(session_id):
-            if min_seq is not None:
-                try:
-                    state: AuditState | None = await self.runner.wait_for(session_id, min_seq, timeout)
-                except TimeoutError as exc:
-                    raise LogUnavailable(str(exc)) from None
-            else:
-                state = await self.runner.state(session_id)
-            if state is not None:
-                for exchange in raw:
-                    state.auditor.add_raw(exchange)
+        try:
+            state = await self.runner.session_at(session_id, min_seq, timeout)
+        except NotReached as exc:
+            raise LogUnavailable(str(exc)) from None
+        if state is not None:
+            for exchange in raw:
+                state.auditor.add_raw(exchange)
+            if state.owned:  # the replica that owns the session counts what it finds
                 self.projection.export(session_id, state.auditor)
-                return state.auditor.report()
-        else:
-            records = await self.log.reader.records(session_id)
-            if records:
-                session = Session([e for r in records for e in r.events])
-                if min_seq is not None and len(session) <= min_seq:
-                    raise LogUnavailable(
-                        f"session {session_id}: seq {min_seq} is not in the log (have {len(session) - 1})"
-                    )
-                auditor = audit_session(
-                    session, raw, session_id=session_id, model_aliases=self.projection.model_aliases
-                )
-                return auditor.report()
+            return state.auditor.report()
         if await self.log.header(session_id) is None:
             raise SessionNotFound(f"session {session_id} not found")
         return audit_session(Session(), raw, session_id=session_id).report()

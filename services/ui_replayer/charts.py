@@ -7,15 +7,31 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from html import escape
-from typing import Final
+from typing import Final, NamedTuple
 
 PALETTE: Final = ("#2f6fde", "#e0892b", "#2aa876", "#c0417c", "#7a5cd6", "#8a8f98", "#d1b02b", "#2bb0c8")
-W: Final = 720
+W: Final = 720  # a chart's viewBox (it scales to the page's width)
 H: Final = 180
-PAD_L: Final = 52
-PAD_R: Final = 12
-PAD_T: Final = 12
-PAD_B: Final = 28
+
+
+class _Plot(NamedTuple):
+    """Where the data is drawn inside the viewBox; the margins around it hold the ticks and labels."""
+
+    left: int
+    top: int
+    right: int
+    bottom: int
+
+    @property
+    def width(self) -> int:
+        return self.right - self.left
+
+    @property
+    def height(self) -> int:
+        return self.bottom - self.top
+
+
+PLOT: Final = _Plot(left=52, top=12, right=W - 12, bottom=H - 28)
 MAX_BARS: Final = 160
 MAX_TICKS: Final = 400
 
@@ -52,11 +68,11 @@ def _frame(title: str, top: float, body: str, legend: Sequence[tuple[str, str]],
     styles), `c0`..`c7` in palette order."""
     grid = []
     for i in range(5):
-        y = PAD_T + (H - PAD_T - PAD_B) * i / 4
+        y = PLOT.top + PLOT.height * i / 4
         value = top * (4 - i) / 4
         grid.append(
-            f'<line x1="{PAD_L}" y1="{y:.1f}" x2="{W - PAD_R}" y2="{y:.1f}" class="grid"/>'
-            f'<text x="{PAD_L - 6}" y="{y + 4:.1f}" class="tick" text-anchor="end">{_e(compact(value))}</text>'
+            f'<line x1="{PLOT.left}" y1="{y:.1f}" x2="{PLOT.right}" y2="{y:.1f}" class="grid"/>'
+            f'<text x="{PLOT.left - 6}" y="{y + 4:.1f}" class="tick" text-anchor="end">{_e(compact(value))}</text>'
         )
     keys = "".join(f'<span class="key"><i class="sw {swatch}"></i>{_e(name)}</span>' for name, swatch in legend)
     return (
@@ -79,18 +95,16 @@ def bar_chart(
     n = max(1, len(labels))
     totals = [sum(values[i] for _, values in series) for i in range(len(labels))]
     top = _nice_max(max(totals, default=0))
-    inner_w = W - PAD_L - PAD_R
-    inner_h = H - PAD_T - PAD_B
-    slot = inner_w / n
+    slot = PLOT.width / n
     bar = max(1.0, min(28.0, slot * 0.7))
     parts = []
     label_every = max(1, n // 12)
     for i, label in enumerate(labels):
-        x = PAD_L + slot * i + (slot - bar) / 2
-        base: float = PAD_T + inner_h
+        x = PLOT.left + slot * i + (slot - bar) / 2
+        base: float = PLOT.bottom
         tip = []
         for k, (name, values) in enumerate(series):
-            h = inner_h * values[i] / top
+            h = PLOT.height * values[i] / top
             base -= h
             tip.append(f"{name} {compact(values[i])}")
             parts.append(
@@ -121,19 +135,17 @@ def line_chart(
     lo = min(xs, default=0)
     hi = max(xs, default=1)
     span = (hi - lo) or 1
-    inner_w = W - PAD_L - PAD_R
-    inner_h = H - PAD_T - PAD_B
 
     def px(x: float) -> float:
-        return PAD_L + inner_w * (x - lo) / span
+        return PLOT.left + PLOT.width * (x - lo) / span
 
     def py(y: float) -> float:
-        return PAD_T + inner_h * (1 - y / top)
+        return PLOT.top + PLOT.height * (1 - y / top)
 
     parts = []
     for x, label in marks:
         parts.append(
-            f'<line x1="{px(x):.1f}" y1="{PAD_T}" x2="{px(x):.1f}" y2="{PAD_T + inner_h}" class="mark">'
+            f'<line x1="{px(x):.1f}" y1="{PLOT.top}" x2="{px(x):.1f}" y2="{PLOT.bottom}" class="mark">'
             f"<title>{_e(label)}</title></line>"
         )
     for k, (name, ys) in enumerate(series):
@@ -155,9 +167,9 @@ def line_chart(
                         f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{color}">'
                         f"<title>{_e(name)} at {_e(x_label)} {_e(compact(x))}: {_e(compact(y))}</title></circle>"
                     )
-    parts.append(f'<text x="{W - PAD_R}" y="{H - 8}" class="tick" text-anchor="end">{_e(x_label)}</text>')
-    parts.append(f'<text x="{PAD_L}" y="{H - 8}" class="tick">{_e(compact(lo))}</text>')
-    parts.append(f'<text x="{W - PAD_R - 30}" y="{H - 8}" class="tick" text-anchor="end">{_e(compact(hi))}</text>')
+    parts.append(f'<text x="{PLOT.right}" y="{H - 8}" class="tick" text-anchor="end">{_e(x_label)}</text>')
+    parts.append(f'<text x="{PLOT.left}" y="{H - 8}" class="tick">{_e(compact(lo))}</text>')
+    parts.append(f'<text x="{PLOT.right - 30}" y="{H - 8}" class="tick" text-anchor="end">{_e(compact(hi))}</text>')
     legend = [(name, f"c{k % len(PALETTE)}") for k, (name, _) in enumerate(series)]
     if marks:
         legend.append(("compaction", "cm"))

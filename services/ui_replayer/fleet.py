@@ -37,6 +37,7 @@ from sessionlog.log import SessionLog
 from sessionlog.metrics import REQUESTS
 from sessionlog.reader import StreamReader
 from sessionlog.record import FORMAT, H_COUNT, H_FIRST_SEQ, H_FORMAT, H_OPEN_TURN, session_of_subject
+from sessionlog.tasks import cancel_and_wait
 
 log = logging.getLogger("sessionlog.ui_replayer")
 
@@ -115,10 +116,7 @@ class FleetIndex:
 
     async def stop(self) -> None:
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait(task)
 
     # ---------------------------------------------------------------------------------- feeds
 
@@ -302,10 +300,7 @@ class DeploymentHealth:
         self._task = asyncio.create_task(self._sample_loop(), name="ui-refusal-samples")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     def sample(self) -> None:
         """The refusal counters of this process (every service `sessionlog up` runs shares them), by code."""

@@ -1,119 +1,82 @@
-"""The ui-replayer projection and its HTTP app (Starlette on uvicorn)."""
+"""The ui-replayer service: its projection (per session the validated log, the transcript and the audit), the
+views it answers from them, and its lifecycle (the runner, the fleet index, the deployment's health and the HTTP
+server of `routes.py`, whose live tails are `live.py`'s)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections import OrderedDict
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
-import msgspec
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from sessionlog.asgi import AsgiServer, serve_asgi
 from sessionlog.audit import SessionAuditor
-from sessionlog.errors import InvalidBoundary, SessionLogError, SessionNotFound, http_status
+from sessionlog.errors import InvalidBoundary, SessionLogError, SessionNotFound
+from sessionlog.events import Event
 from sessionlog.ids import check_session_id
-from sessionlog.jsonl import SessionHeader, decode_header
 from sessionlog.log import SessionLog
+from sessionlog.lru import LRU
 from sessionlog.reader import read_raw_exchanges
 from sessionlog.record import Record
-from sessionlog.runner import Projection, ProjectionRunner, SessionState
+from sessionlog.runner import Projection, ProjectionRunner, SessionLogState
 from sessionlog.services import ProjectionService
-from sessionlog.session import Session
-from sessionlog.transcript import (
-    EntryUpdate,
-    Transcript,
-    TranscriptBuilder,
-    Update,
-    build_transcript,
-    coalesce,
-)
+from sessionlog.transcript import Transcript, TranscriptBuilder, Update, build_transcript
 
 from . import views
 from .fleet import DeploymentHealth, FleetIndex, SessionRow, lease_holders
-from .page import (
-    APP_CSS,
-    APP_JS,
-    SECURITY_HEADERS,
-    SessionContext,
-    render_audit_page,
-    render_context_page,
-    render_error_page,
-    render_fleet_page,
-    render_raw_page,
-    render_transcript_page,
-)
+from .live import Listener, LiveTails
+from .routes import UIRoutes
 
 log = logging.getLogger("sessionlog.ui_replayer")
 
-KEEPALIVE_S: Final = 15.0
-LISTENER_QUEUE: Final = 1024  # record batches a slow page may fall behind by before it is resynchronised
 MAX_HEADERS: Final = 10_000
 FLEET_CATCH_UP_S: Final = 10.0  # a start waits this long for the fleet index to read what the log holds
-CONTEXT_PAGE: Final = 250  # messages of the model's view on one page (the newest, unless `from` says otherwise)
-
-_encoder: Final = msgspec.json.Encoder()
 
 
-class UIState(SessionState):
+class UIState(SessionLogState):
     """One session's validated log, its transcript and its audit (requests, ledger, findings); `updates` holds what
     the last records changed for the live tail, `replaces` the seqs of its compactions."""
 
     def __init__(self, session_id: str, model_aliases: dict[str, str] | None = None) -> None:
         super().__init__(session_id)
-        self.session = Session()
         self.builder = TranscriptBuilder(session_id)
         self.auditor = SessionAuditor(session_id, model_aliases=model_aliases)
         self.updates: list[Update] = []
         self.replaces: list[int] = []
 
-    def apply(self, record: Record) -> None:
-        session = self.session
-        add = self.builder.add
-        audit = self.auditor.add
-        updates = self.updates
-        for raw in record.events:
-            event = session.append(raw)
-            updates.extend(add(event))
-            audit(event, session)
-            if event.is_replace:
-                self.replaces.append(event.seq)
+    def took(self, event: Event) -> None:
+        self.updates.extend(self.builder.add(event))
+        self.auditor.add(event, self.session)
+        if event.is_replace:
+            self.replaces.append(event.seq)
 
     def requests(self) -> list[views.Request]:
         return views.requests_of(self.auditor)
 
-
-@dataclass(eq=False)
-class _Listener:
-    """One open live tail: the updates not yet sent, and the seq it has seen everything before."""
-
-    seen: int
-    queue: asyncio.Queue[list[Update]] = field(default_factory=lambda: asyncio.Queue(LISTENER_QUEUE))
-    behind: bool = False  # its queue overflowed: it gets a fresh snapshot
+    def transcript(self, header: bytes, at: int | None = None) -> Transcript:
+        """The transcript now, or of the prefix ending at seq `at` (inclusive): a replay from any offset."""
+        if at is None:
+            return self.builder.snapshot(header)
+        if at >= len(self.session):
+            raise InvalidBoundary(f"at {at} is past the end of session {self.session_id} ({len(self.session)} events)")
+        return build_transcript(self.session.prefix(at), header, session_id=self.session_id)
 
 
 class UIReplayer(Projection[UIState]):
     name: ClassVar[str] = "ui-replayer"
 
     def __init__(self, model_aliases: dict[str, str] | None = None) -> None:
-        self.listeners: dict[str, set[_Listener]] = {}
+        self.listeners: dict[str, set[Listener]] = {}
         # The service's cache of session headers; kept here so that a purge (`on_forget`) drops the header too,
         # or the erased session would still be found (and its header served) after its records are gone.
-        self.headers: OrderedDict[str, bytes] = OrderedDict()
+        self.headers: LRU[str, bytes] = LRU(MAX_HEADERS)
         self.model_aliases = model_aliases or {}
 
     def new_state(self, session_id: str) -> UIState:
         return UIState(session_id, self.model_aliases)
 
     def on_forget(self, session_id: str) -> None:
-        self.headers.pop(session_id, None)
+        self.headers.pop(session_id)
 
     def on_applied(self, state: UIState, record: Record) -> None:
         updates, state.updates = state.updates, []
@@ -121,42 +84,12 @@ class UIReplayer(Projection[UIState]):
         if not listeners or not updates:
             return
         for listener in listeners:
-            if listener.behind:
-                continue
-            try:
-                listener.queue.put_nowait(updates)
-            except asyncio.QueueFull:
-                listener.behind = True
-                with contextlib.suppress(asyncio.QueueFull):
-                    listener.queue.put_nowait([])  # wake it up
-
-
-def _sse(event: str, data: bytes, event_id: int | None = None) -> bytes:
-    head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}event: {event}\n".encode() + b"data: " + data + b"\n\n"
-
-
-def _update_bytes(update: Update) -> bytes:
-    if isinstance(update, EntryUpdate):
-        return _sse("entry", _encoder.encode(update.entry), update.seq + 1)
-    return _sse("delta", _encoder.encode(update), update.seq + 1)
-
-
-async def _next(records: AsyncIterator[Record]) -> Record:
-    return await anext(records)
-
-
-def _int_param(request: Request, name: str) -> int | None:
-    value = request.query_params.get(name)
-    if value is None or value == "":
-        return None
-    if not value.isdigit():
-        raise InvalidBoundary(f"query parameter {name} must be a non-negative integer, got {value!r}")
-    return int(value)
+            listener.offer(updates)
 
 
 class UIReplayerService(ProjectionService[UIState]):
-    """The projection runner plus the HTTP app: session list, transcript page, live tail (SSE) and JSON."""
+    """The projection runner, the fleet index and the deployment's health, the views of a session, and the HTTP app
+    (`routes.UIRoutes`) with its live tails (`live.LiveTails`)."""
 
     def __init__(
         self,
@@ -176,8 +109,11 @@ class UIReplayerService(ProjectionService[UIState]):
         self.port = port if port is not None else self.settings.ui_port
         self._headers = self.projection.headers
         self._server: AsgiServer | None = None
-        self._closing = asyncio.Event()
+        self.live = LiveTails(self)
         self.app = self.build_app()
+
+    def build_app(self) -> Starlette:
+        return UIRoutes(self).app()
 
     @property
     def url(self) -> str:
@@ -206,114 +142,50 @@ class UIReplayerService(ProjectionService[UIState]):
     def health(self) -> dict[str, Any]:
         health = super().health()
         health["url"] = self.url
-        health["live_tails"] = sum(len(v) for v in self.projection.listeners.values())
+        health["live_tails"] = self.live.count()
         return health
 
     async def stop(self) -> None:
-        self._closing.set()  # live tails end, so the server can close their connections
-        for listeners in self.projection.listeners.values():
-            for listener in listeners:
-                with contextlib.suppress(asyncio.QueueFull):
-                    listener.queue.put_nowait([])
+        self.live.close()  # live tails end, so the server can close their connections
         if self._server is not None:
             await self._server.stop(timeout_s=10)
         await self.fleet.stop()
         await self.deployment.stop()
-        for queue in list(self.fleet.listeners):
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait([])
         await super().stop()
 
     # ---------------------------------------------------------------------------------- sessions
+    # Where the UI gets a session: its header (cached) and its state (the runtime's `session_at`: from memory when
+    # this replica owns the session, else read from the stream). Every view comes through these two; the live tail
+    # of a session another replica owns reads a copy of its own, which it then follows (`live.py`).
 
     async def header(self, session_id: str) -> bytes:
         """The session header (cached: a header never changes once the session is visible)."""
         check_session_id(session_id)
-        header = self._headers.get(session_id)
+        header = self._headers.use(session_id)
         if header is None:
             header = await self.log.header(session_id)
             if header is None:
                 raise SessionNotFound(f"session {session_id} not found")
-            self._headers[session_id] = header
-            while len(self._headers) > MAX_HEADERS:
-                self._headers.popitem(last=False)
-        else:
-            self._headers.move_to_end(session_id)
+            self._headers.put(session_id, header)
         return header
 
-    async def _state(self, session_id: str) -> UIState:
+    async def state(self, session_id: str) -> UIState:
         """The session's state: from memory when this replica owns the session, else read from the stream."""
-        if self.runner.owns(session_id):
-            state = await self.runner.state(session_id)
-            return state if state is not None else self.projection.new_state(session_id)
-        records = await self.log.reader.records(session_id)
-        state = self.projection.new_state(session_id)
-        for record in records:
-            state.apply(record)
-            state.last_stream_seq = record.stream_seq
-        state.updates = []
-        return state
+        state = await self.runner.session_at(session_id)
+        return state if state is not None else self.projection.new_state(session_id)
 
     async def transcript(self, session_id: str, *, at: int | None = None) -> Transcript:
         """The transcript now, or of the prefix ending at seq `at` (inclusive): a replay from any offset."""
         header = await self.header(session_id)
-        return self._transcript_of(await self._state(session_id), header, at)
-
-    @staticmethod
-    def _transcript_of(state: UIState, header: bytes, at: int | None) -> Transcript:
-        session_id = state.session_id
-        if at is None:
-            return state.builder.snapshot(header)
-        if at >= len(state.session):
-            raise InvalidBoundary(f"at {at} is past the end of session {session_id} ({len(state.session)} events)")
-        return build_transcript(state.session.prefix(at), header, session_id=session_id)
+        return (await self.state(session_id)).transcript(header, at)
 
     # ---------------------------------------------------------------------------------- views
-
-    async def _context(self, session_id: str, tab: str, state: UIState, at: int | None = None) -> SessionContext:
-        header = decode_header(await self.header(session_id))
-        row = self.fleet.rows.get(session_id)
-        holders = await lease_holders(self.log, [session_id])
-        return SessionContext(
-            session_id=session_id,
-            title=state.builder.title,
-            header=header,
-            events=len(state.session),
-            open_turn=state.session.open_turn,
-            lease_holder=holders[session_id],
-            last_activity=row.last_activity if row is not None else None,
-            children=[r.id for r in self.fleet.children(session_id)],
-            ancestors=self._ancestors(header),
-            requests=state.requests(),
-            compactions=views.compactions_of(state.session, state.replaces),
-            tab=tab,
-            at=at,
-            header_seqs=state.session.request_header_seqs,
-        )
-
-    def _ancestors(self, header: SessionHeader) -> list[str]:
-        """Parent, grandparent, ... as far as the index knows them (oldest first)."""
-        out: list[str] = []
-        parent = header.parent_session if isinstance(header.parent_session, str) else None
-        while parent is not None and parent not in out and len(out) < 20:
-            out.append(parent)
-            row = self.fleet.rows.get(parent)
-            parent = row.parent if row is not None else None
-        return out[::-1]
-
-    def _at(self, request: Request, state: UIState, requests: list[views.Request]) -> int:
-        at = _int_param(request, "at")
-        if at is None:  # the latest request, else the end of the log
-            return requests[-1].at if requests else max(0, len(state.session) - 1)
-        if at >= len(state.session):
-            raise InvalidBoundary(f"at {at} is past the end of the session ({len(state.session)} events)")
-        return at
 
     async def context_view(
         self, session_id: str, at: int | None, *, start: int | None = 0, limit: int | None = None
     ) -> tuple[UIState, dict[str, Any]]:
         await self.header(session_id)
-        state = await self._state(session_id)
+        state = await self.state(session_id)
         requests = state.requests()
         if at is None:
             at = requests[-1].at if requests else max(0, len(state.session) - 1)
@@ -335,7 +207,7 @@ class UIReplayerService(ProjectionService[UIState]):
 
     async def audit_view(self, session_id: str) -> tuple[UIState, dict[str, Any]]:
         await self.header(session_id)
-        state = await self._state(session_id)
+        state = await self.state(session_id)
         for exchange in await self._raw_exchanges(session_id):
             state.auditor.add_raw(exchange)  # dedup by request id: the raw checks join the log's own
         prices = self.model_prices
@@ -346,7 +218,7 @@ class UIReplayerService(ProjectionService[UIState]):
 
     async def raw_view(self, session_id: str, *, limit: int | None) -> tuple[UIState, list[dict[str, Any]]]:
         await self.header(session_id)
-        state = await self._state(session_id)
+        state = await self.state(session_id)
         exchanges = await self._raw_exchanges(session_id)
         for exchange in exchanges:
             state.auditor.add_raw(exchange)
@@ -362,7 +234,10 @@ class UIReplayerService(ProjectionService[UIState]):
         state = self.runner.states.get(session_id)
         return state is not None and bool(state.auditor.findings)
 
-    def _enrich(self, rows: list[SessionRow], holders: dict[str, str | None]) -> list[dict[str, Any]]:
+    async def enriched(self, rows: list[SessionRow]) -> list[dict[str, Any]]:
+        """The overview's rows with what the index does not hold: writer lease holder, and (for sessions this
+        replica holds) title, tokens, findings and a quarantined record's reason."""
+        holders = await lease_holders(self.log, [r.id for r in rows])
         out = []
         for row in rows:
             item = row.to_dict()
@@ -382,14 +257,11 @@ class UIReplayerService(ProjectionService[UIState]):
             out.append(item)
         return out
 
-    async def fleet_page(self, request: Request) -> dict[str, Any]:
-        query = request.query_params.get("q", "")
-        state = request.query_params.get("state", "")
-        page = _int_param(request, "page") or 1
+    async def fleet_page(self, query: str, state: str, page: int) -> dict[str, Any]:
+        """One page of the overview: rows matching `query` (id, title, parent, cwd) and `state`, newest first."""
         found = self.fleet.page(query=query, state=state, page=page, extra=self._title, flagged=self._flagged)
-        holders = await lease_holders(self.log, [r.id for r in found.rows])
         return {
-            "rows": self._enrich(found.rows, holders),
+            "rows": await self.enriched(found.rows),
             "total": found.total,
             "page": found.page,
             "pages": found.pages,
@@ -397,271 +269,3 @@ class UIReplayerService(ProjectionService[UIState]):
             "query": query,
             "state": state,
         }
-
-    # ---------------------------------------------------------------------------------- HTTP
-
-    def build_app(self) -> Starlette:
-        routes = [
-            Route("/", self._list),
-            Route("/events", self._fleet_events),
-            Route("/sessions/{session_id}", self._page),
-            Route("/sessions/{session_id}/events", self._events),
-            Route("/sessions/{session_id}/context", self._context_page),
-            Route("/sessions/{session_id}/audit", self._audit_page),
-            Route("/sessions/{session_id}/raw", self._raw_page),
-            Route("/api/sessions", self._api_list),
-            Route("/api/fleet", self._api_fleet),
-            Route("/api/health", self._api_health),
-            Route("/api/sessions/{session_id}/transcript", self._api_transcript),
-            Route("/api/sessions/{session_id}/context", self._api_context),
-            Route("/api/sessions/{session_id}/audit", self._api_audit),
-            Route("/api/sessions/{session_id}/raw", self._api_raw),
-            Route("/api/sessions/{session_id}/requests", self._api_requests),
-            Route("/api/sessions/{session_id}/lineage", self._api_lineage),
-            Route("/static/app.js", self._js),
-            Route("/static/app.css", self._css),
-            Route("/healthz", self._healthz),
-        ]
-        return Starlette(routes=routes, exception_handlers={SessionLogError: self._error})
-
-    async def _error(self, request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, SessionLogError)
-        status = http_status(exc)
-        if request.url.path.startswith("/api/"):
-            return JSONResponse({"error": exc.to_dict()}, status_code=status)
-        return HTMLResponse(render_error_page(status, str(exc)), status_code=status, headers=SECURITY_HEADERS)
-
-    @staticmethod
-    def _json(body: Any) -> Response:
-        return Response(_encoder.encode(body), media_type="application/json", headers=SECURITY_HEADERS)
-
-    async def _list(self, request: Request) -> Response:
-        fleet = await self.fleet_page(request)
-        health = await self.deployment.read()
-        return HTMLResponse(render_fleet_page(fleet, health), headers=SECURITY_HEADERS)
-
-    async def _api_list(self, request: Request) -> Response:
-        return self._json((await self.fleet_page(request))["rows"])
-
-    async def _api_fleet(self, request: Request) -> Response:
-        return self._json(await self.fleet_page(request))
-
-    async def _api_health(self, request: Request) -> Response:
-        return self._json(await self.deployment.read())
-
-    async def _page(self, request: Request) -> Response:
-        session_id = request.path_params["session_id"]
-        at = _int_param(request, "at")
-        before = _int_param(request, "before")
-        header = await self.header(session_id)
-        state = await self._state(session_id)
-        transcript = self._transcript_of(state, header, at)
-        context = await self._context(session_id, "transcript", state, at)
-        html = render_transcript_page(transcript, context, live=at is None and before is None, before=before)
-        return HTMLResponse(html, headers=SECURITY_HEADERS)
-
-    async def _api_transcript(self, request: Request) -> Response:
-        session_id = request.path_params["session_id"]
-        at = _int_param(request, "at")
-        from_seq = _int_param(request, "from_seq") or 0
-        transcript = await self.transcript(session_id, at=at)
-        if from_seq:
-            transcript = msgspec.structs.replace(transcript, entries=transcript.since(from_seq))
-        return Response(_encoder.encode(transcript), media_type="application/json", headers=SECURITY_HEADERS)
-
-    async def _context_page(self, request: Request) -> Response:
-        session_id = request.path_params["session_id"]
-        state, view = await self.context_view(
-            session_id, _int_param(request, "at"), start=_int_param(request, "from"), limit=CONTEXT_PAGE
-        )
-        context = await self._context(session_id, "context", state, view["at"])
-        return HTMLResponse(render_context_page(view, context), headers=SECURITY_HEADERS)
-
-    async def _api_context(self, request: Request) -> Response:
-        _, view = await self.context_view(
-            request.path_params["session_id"],
-            _int_param(request, "at"),
-            start=_int_param(request, "from") or 0,
-            limit=_int_param(request, "limit"),
-        )
-        return self._json(view)
-
-    async def _audit_page(self, request: Request) -> Response:
-        session_id = request.path_params["session_id"]
-        state, body = await self.audit_view(session_id)
-        context = await self._context(session_id, "audit", state)
-        return HTMLResponse(render_audit_page(body, context), headers=SECURITY_HEADERS)
-
-    async def _api_audit(self, request: Request) -> Response:
-        _, body = await self.audit_view(request.path_params["session_id"])
-        return self._json(body)
-
-    async def _raw_page(self, request: Request) -> Response:
-        session_id = request.path_params["session_id"]
-        state, body = await self.raw_view(session_id, limit=views.RAW_TEXT_LIMIT)
-        context = await self._context(session_id, "raw", state)
-        return HTMLResponse(render_raw_page(body, context), headers=SECURITY_HEADERS)
-
-    async def _api_raw(self, request: Request) -> Response:
-        _, body = await self.raw_view(request.path_params["session_id"], limit=None)
-        return self._json(body)
-
-    async def _api_requests(self, request: Request) -> Response:
-        session_id = request.path_params["session_id"]
-        await self.header(session_id)
-        state = await self._state(session_id)
-        return self._json(
-            {
-                "requests": [views._request_dict(r) for r in state.requests()],
-                "compactions": views.compactions_of(state.session, state.replaces),
-                "events": len(state.session),
-            }
-        )
-
-    async def _api_lineage(self, request: Request) -> Response:
-        session_id = request.path_params["session_id"]
-        header = decode_header(await self.header(session_id))
-        return self._json(
-            {
-                "session": session_id,
-                "parent": header.parent_session if isinstance(header.parent_session, str) else None,
-                "seed_length": header.seed_length if isinstance(header.seed_length, int) else None,
-                "ancestors": self._ancestors(header),
-                "children": [r.id for r in self.fleet.children(session_id)],
-            }
-        )
-
-    async def _fleet_events(self, request: Request) -> Response:
-        """Rows of the overview that changed, as SSE `rows` events (JSON list), while the page is open."""
-        headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **SECURITY_HEADERS}
-        return StreamingResponse(self._fleet_tail(), media_type="text/event-stream", headers=headers)
-
-    async def _fleet_tail(self) -> AsyncIterator[bytes]:
-        queue: asyncio.Queue[list[str]] = asyncio.Queue(64)
-        self.fleet.listeners.add(queue)
-        try:
-            yield _sse("sync", _encoder.encode({"sessions": len(self.fleet.rows)}))
-            while not self._closing.is_set():
-                try:
-                    changed = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
-                except TimeoutError:
-                    yield b": ping\n\n"
-                    continue
-                rows = [self.fleet.rows[i] for i in changed if i in self.fleet.rows][:200]
-                if not rows:
-                    continue
-                holders = await lease_holders(self.log, [r.id for r in rows])
-                yield _sse("rows", _encoder.encode(self._enrich(rows, holders)))
-        finally:
-            self.fleet.listeners.discard(queue)
-
-    async def _js(self, request: Request) -> Response:
-        return Response(APP_JS, media_type="text/javascript; charset=utf-8", headers=SECURITY_HEADERS)
-
-    async def _css(self, request: Request) -> Response:
-        return Response(APP_CSS, media_type="text/css; charset=utf-8", headers=SECURITY_HEADERS)
-
-    async def _healthz(self, request: Request) -> Response:
-        return JSONResponse(self.health())
-
-    # ---------------------------------------------------------------------------------- live tail
-
-    async def _events(self, request: Request) -> Response:
-        session_id = request.path_params["session_id"]
-        await self.header(session_id)
-        from_seq = _int_param(request, "from_seq") or 0
-        last_id = request.headers.get("last-event-id", "")
-        if last_id.isdigit():
-            from_seq = int(last_id)  # a reconnect: it has seen everything before this seq
-        stream = self._tail(session_id, from_seq)
-        headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **SECURITY_HEADERS}
-        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-
-    async def _tail(self, session_id: str, from_seq: int) -> AsyncIterator[bytes]:
-        """Entries after `from_seq`, then every update as its record is applied, until the client leaves."""
-        if not self.runner.owns(session_id):
-            async for chunk in self._tail_stream(session_id, from_seq):
-                yield chunk
-            return
-        listener = _Listener(seen=from_seq)
-        yield b": live tail\n\n"
-        state = await self.runner.state(session_id)
-        # No await between the snapshot and registering: no record can slip between them.
-        listeners = self.projection.listeners.setdefault(session_id, set())
-        listeners.add(listener)
-        try:
-            if state is not None:
-                for chunk in self._snapshot(state.builder, listener):
-                    yield chunk
-            while not self._closing.is_set():
-                try:
-                    batch = await asyncio.wait_for(listener.queue.get(), KEEPALIVE_S)
-                except TimeoutError:
-                    yield b": ping\n\n"
-                    continue
-                if listener.behind:
-                    listener.behind = False
-                    while not listener.queue.empty():
-                        listener.queue.get_nowait()
-                    current = self.runner.states.get(session_id) or await self.runner.state(session_id)
-                    if current is not None:
-                        for chunk in self._snapshot(current.builder, listener):
-                            yield chunk
-                    continue
-                out = self._fresh(batch, listener)
-                if out:
-                    yield out
-        finally:
-            listeners.discard(listener)
-            if not listeners:
-                self.projection.listeners.pop(session_id, None)
-
-    def _snapshot(self, builder: TranscriptBuilder, listener: _Listener) -> list[bytes]:
-        entries = builder.snapshot().since(listener.seen)
-        listener.seen = max(listener.seen, builder.next_seq)
-        out = [_sse("entry", _encoder.encode(e)) for e in entries]
-        out.append(_sse("sync", _encoder.encode({"next_seq": listener.seen}), listener.seen))
-        return out
-
-    @staticmethod
-    def _fresh(batch: list[Update], listener: _Listener) -> bytes:
-        """The updates of a batch the listener has not seen (a reloaded session replays from seq 0)."""
-        fresh = [u for u in batch if u.seq >= listener.seen]
-        if not fresh:
-            return b""
-        listener.seen = max(listener.seen, fresh[-1].seq + 1)
-        return b"".join(_update_bytes(u) for u in coalesce(fresh))
-
-    async def _tail_stream(self, session_id: str, from_seq: int) -> AsyncIterator[bytes]:
-        """The live tail of a session another replica owns: read it and follow it on the stream."""
-        yield b": live tail (stream)\n\n"
-        state = await self._state(session_id)
-        session, builder, last_stream_seq = state.session, state.builder, state.last_stream_seq
-        listener = _Listener(seen=from_seq)
-        for chunk in self._snapshot(builder, listener):
-            yield chunk
-        records = self.log.reader.subscribe(session_id=session_id, from_stream_seq=last_stream_seq + 1)
-        pending: asyncio.Task[Record] | None = None
-        try:
-            while not self._closing.is_set():
-                if pending is None:
-                    pending = asyncio.ensure_future(_next(records))
-                done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
-                if not done:
-                    yield b": ping\n\n"
-                    continue
-                record = pending.result()
-                pending = None
-                if record.first_seq != len(session):
-                    continue  # already read
-                updates: list[Update] = []
-                for raw in record.events:
-                    updates.extend(builder.add(session.append(raw)))
-                out = self._fresh(updates, listener)
-                if out:
-                    yield out
-        finally:
-            if pending is not None:
-                pending.cancel()
-            with contextlib.suppress(Exception):
-                await records.aclose()  # type: ignore[attr-defined]

@@ -205,6 +205,15 @@ def context_view(
     return view
 
 
+def requests_view(session: Session, requests: Sequence[Request], replaces: Sequence[int]) -> dict[str, Any]:
+    """The session's timeline: every request, every compaction (seqs in `replaces`) and the length of the log."""
+    return {
+        "requests": [_request_dict(r) for r in requests],
+        "compactions": compactions_of(session, replaces),
+        "events": len(session),
+    }
+
+
 def _request_dict(request: Request) -> dict[str, Any]:
     return {
         "turn": request.turn,

@@ -23,6 +23,11 @@ CONSUMER_RESTARTS: Final = Counter(
     "Times a partition's consumer failed and was started again",
     ["projection", "partition"],
 )
+KV_WRITE_FAILURES: Final = Counter(
+    "sessionlog_projection_kv_write_failures_total",
+    "Checkpoint and quarantine writes that failed (logged; a later checkpoint covers a failed one)",
+    ["projection", "kind"],
+)
 LAG_EVENTS: Final = Gauge(
     "sessionlog_projection_lag_events", "Records of a partition not yet applied", ["projection", "partition"]
 )

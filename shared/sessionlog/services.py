@@ -22,7 +22,8 @@ from nats.micro.service import EndpointConfig, Service
 from .contracts import Endpoint, ServiceSpec
 from .log import SessionLog
 from .micro import Handler, Immediate, spawning
-from .runner import ProjectionRunner, S
+from .runner import ProjectionRunner
+from .sessioncache import S
 from .tasks import cancel_and_wait
 
 
@@ -82,6 +83,11 @@ class ProjectionService(Generic[S]):
         for task in list(self._tasks):
             await cancel_and_wait(task)
         await self.runner.stop()
+
+    async def abort(self) -> None:
+        """Stop as a killed process would (tests of failover): the runner aborts, nothing is checkpointed or
+        released; requests in flight are left to the connection's end."""
+        await self.runner.abort()
 
 
 @dataclass(frozen=True)

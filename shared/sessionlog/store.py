@@ -1,14 +1,15 @@
 """The record store: the one write path of the log, under `SessionLog` and `SessionWriter`.
 
-`RecordStore` owns how events reach the stream. Each record is published with
-`Nats-Expected-Last-Subject-Sequence` = the stream seq of the session's previous record, so two writers can never
-interleave: the loser is refused (`WrongLastRecord`, a `CONFLICT`). A timed-out publish is retried with the same
-`Nats-Msg-Id` for `publish_retry_s`; a `duplicate` answer, or "wrong last sequence" after a timeout or an
-interrupted attempt, is settled by reading the stored record and comparing its digest, so nothing is doubled and
-nothing is reported written that was not acknowledged. It also owns the size rule (what one record may carry)
-and the batching rule (how queued events are cut into records). `HeaderStore` owns the headers bucket: one
-write-once header per session, read by direct get so a cluster without quorum can still be read. `BlobStore`
-holds large content by digest; `erase` purges a session from every stream.
+`RecordStore` owns how events reach the stream. Each record is published with `Nats-Expected-Last-Subject-Sequence`
+= the stream seq of the session's previous record, so two writers can never interleave: the loser is refused
+(`WrongLastRecord`, a `CONFLICT`). A timed-out publish is retried with the same `Nats-Msg-Id` for `publish_retry_s`
+without an acknowledgement on the connection (`backpressure.py`: writers slow down to what the server acknowledges
+instead of failing); a `duplicate` answer, or "wrong last sequence" after a timeout or an interrupted attempt, is
+settled by reading the stored record and comparing its digest, so nothing is doubled and nothing is reported written
+that was not acknowledged. It also owns the size rule (what one record may carry) and the batching rule (how queued
+events are cut into records). `HeaderStore` owns the headers bucket: one write-once header per session, read by
+direct get so a cluster without quorum can still be read. `BlobStore` holds large content by digest; `erase` purges
+a session from every stream.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from nats.js.kv import KeyValue
 
 from .availability import is_unavailable, retry_unanswered
+from .backpressure import PublishWindow
 from .errors import (
     JS_DUPLICATE_IN_PROCESS,
     JS_STORE_FULL,
@@ -96,6 +98,7 @@ class RecordStore:
         self._nc = nc
         self._settings = settings
         self._reader = reader
+        self._window = PublishWindow(nc)  # back-pressure of every writer's records on this connection
 
     # ---------------------------------------------------------------------------------- size and batching
 
@@ -197,13 +200,15 @@ class RecordStore:
         # attempt waits a third of a request timeout, so a publish lost in the election is sent again soon; the
         # same message id makes every repeat harmless.
         budget = settings.publish_retry_s
-        deadline = time.monotonic() + budget
+        started = time.monotonic()
+        window = self._window  # the budget counts from the connection's last acknowledgement
+        cap = window.cap(budget, settings.duplicate_window_s)
         attempt_timeout = max(0.05, settings.request_timeout_s / 3)
         timed_out = in_doubt
         delay = 0.02
         subject = in_subject(session_id)
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = window.remaining(started, budget, cap)
             if remaining <= 0:
                 raise LogUnavailable(
                     f"session {session_id}: no acknowledgement for seqs {first_seq}..{first_seq + len(events) - 1} "
@@ -211,8 +216,8 @@ class RecordStore:
                     f"{first_seq - 1} is reported written"
                 )
             try:
-                reply = await self._nc.request(
-                    subject, payload, timeout=min(attempt_timeout, remaining), headers=headers
+                reply = await window.request(
+                    subject, payload, headers, attempt_s=attempt_timeout, started=started, budget_s=budget, cap_s=cap
                 )
             except (
                 nats.errors.TimeoutError,
@@ -227,7 +232,7 @@ class RecordStore:
                 except _Retry:
                     pass
             timed_out = True
-            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            await asyncio.sleep(min(delay, max(0.0, window.remaining(started, budget, cap))))
             delay = min(delay * 2, 0.5)
 
     async def _answered(

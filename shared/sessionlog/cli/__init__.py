@@ -21,13 +21,10 @@ Register = Callable[[typer.Typer], None]
 
 def new_app(more: Sequence[Register] = ()) -> typer.Typer:
     """The command line: the library's commands, with `more` (a layer above adds its own) listed after the log's."""
-    app = typer.Typer(
-        name="sessionlog",
-        help="An event-sourced session log for fleets of LLM agents, on NATS JetStream.",
-        no_args_is_help=True,
-        add_completion=False,
+    app = logcmds.command_group(
+        "sessionlog",
+        "An event-sourced session log for fleets of LLM agents, on NATS JetStream.",
         pretty_exceptions_enable=False,
-        rich_markup_mode=None,
     )
     for register in (files.register, logcmds.register, *more, auditcmds.register, quarantinecmds.register):
         register(app)

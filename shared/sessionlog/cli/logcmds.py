@@ -6,7 +6,7 @@ import asyncio
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -16,6 +16,14 @@ from ..log import SessionLog
 from ..settings import Settings
 
 T = TypeVar("T")
+
+
+def command_group(name: str, help: str, **options: Any) -> typer.Typer:
+    """A Typer as every command group of this command line is built: help when called without a command, no shell
+    completion, plain help text (no rich markup)."""
+    return typer.Typer(
+        name=name, help=help, no_args_is_help=True, add_completion=False, rich_markup_mode=None, **options
+    )
 
 
 def run_with_log(work: Callable[[SessionLog], Awaitable[T]]) -> T:

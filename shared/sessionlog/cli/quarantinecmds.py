@@ -11,15 +11,9 @@ from rich.table import Table
 
 from ..log import SessionLog
 from ..quarantine import Diagnosis, Quarantined, check_session, entries
-from .logcmds import run_with_log
+from .logcmds import command_group, run_with_log
 
-quarantine = typer.Typer(
-    name="quarantine",
-    help="Records the projections quarantined, and why a session does not read.",
-    no_args_is_help=True,
-    add_completion=False,
-    rich_markup_mode=None,
-)
+quarantine = command_group("quarantine", "Records the projections quarantined, and why a session does not read.")
 
 
 @quarantine.command("list")

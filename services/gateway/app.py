@@ -71,13 +71,13 @@ from .forward import (
     new_request_id,
     no_retry,
 )
-from .http1 import ConnectionPool
 from .metrics import GatewayMetrics
 from .record import Recorder
 from .tee import RawTee
 from .tenants import Tenants
 from .upstream import (
     Upstream,
+    UpstreamClient,
     UpstreamConfig,
     upstream_transport,
 )
@@ -107,7 +107,7 @@ class Gateway:
         self._log = log
         self._owns_log = log is None
         self._source = source
-        self._http: ConnectionPool | None = None
+        self._http: UpstreamClient | None = None
         self._upstreams: dict[str, Upstream] = {}
         self._default: Upstream | None = None
         self._tee: RawTee | None = None

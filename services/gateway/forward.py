@@ -24,11 +24,16 @@ from sessionlog.record import H_RAW_OUTCOME, H_RAW_SESSION_SEQ, H_RAW_STATUS
 from sessionlog.tasks import detach
 
 from .derivation import Derivation
-from .http1 import Response as UpstreamResponse
-from .http1 import UpstreamIOError
 from .metrics import GatewayMetrics
 from .tee import H_REQUEST_ID, RawTee
-from .upstream import Upstream, gateway_status_for, stream_error, upstream_error_message
+from .upstream import (
+    Upstream,
+    UpstreamIOError,
+    UpstreamResponse,
+    gateway_status_for,
+    stream_error,
+    upstream_error_message,
+)
 
 log = logging.getLogger("sessionlog.gateway")
 

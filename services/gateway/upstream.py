@@ -1,23 +1,116 @@
-"""The upstream provider: an OpenAI-compatible chat-completions endpoint reached with the gateway's client (`http1`).
+"""The upstream provider: an OpenAI-compatible chat-completions endpoint reached with aiohttp's client.
 
 An `Upstream` knows its base URL, API key, model map and timeouts. `open()` sends the exact bytes it is given and
 returns the response with its body still unread (streamed or not), or raises a typed error that the gateway maps to
 an OpenAI-style error: `UPSTREAM_TIMEOUT` (504), `UPSTREAM_UNREACHABLE` (502), `UPSTREAM_ERROR` (the provider
-answered an error status). The client's own `Authorization` (the gateway's key) never goes upstream.
+answered an error status). The client's own `Authorization` (the gateway's key) never goes upstream. Every route of
+a gateway shares one `UpstreamClient` (one aiohttp session, its keep-alive connector), closed when the gateway stops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import errno
+import ssl
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
+import aiohttp
+import certifi
 import msgspec
+from multidict import CIMultiDictProxy
+from yarl import URL
 
 from sessionlog.errors import SessionLogError, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sessionlog.wire import checked_body
 
-from .http1 import ConnectionPool, Origin, Response, UpstreamIOError, UpstreamReadTimeout
+# aiohttp pauses reading from the provider past twice this many buffered response bytes (backpressure: 256 KiB)
+_READ_BUFSIZE: Final = 128 * 1024
+
+
+class UpstreamIOError(Exception):
+    """The provider could not be reached, or broke the connection or HTTP in the middle of an exchange."""
+
+
+class UpstreamReadTimeout(UpstreamIOError):
+    """Nothing arrived within the timeout (connecting, waiting for the head, or between body bytes)."""
+
+
+def _io_error(exc: BaseException) -> UpstreamIOError:
+    if isinstance(exc, TimeoutError):  # aiohttp's connect and socket-read timeouts are TimeoutErrors
+        return UpstreamReadTimeout("no answer within the timeout")
+    return UpstreamIOError(str(exc) or type(exc).__name__)
+
+
+def _closed_before_reply(exc: aiohttp.ClientError) -> bool:
+    """Whether a request failed because its connection was found closed before any byte of a reply came back (a
+    kept-alive connection the provider closed meanwhile): then resending it cannot make the provider answer twice."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return isinstance(exc.message, str)  # else the part of a response head that did arrive
+    if isinstance(exc, aiohttp.ClientConnectorError):  # connecting failed: the provider is unreachable
+        return False
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE)
+
+
+class UpstreamResponse:
+    """A provider's response once its head arrived: `status_code`, `headers` (case-insensitive), the body read with
+    `aiter_raw` (as the bytes came, de-chunked, never decompressed) or `aread`. `aclose` before the end drops the
+    connection (it cannot be reused); a response read to its end has already gone back to the pool."""
+
+    __slots__ = ("_raw", "headers", "status_code")
+
+    def __init__(self, raw: aiohttp.ClientResponse) -> None:
+        self._raw = raw
+        self.status_code = raw.status
+        self.headers: CIMultiDictProxy[str] = raw.headers
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._raw.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _io_error(exc) from None
+
+    async def aread(self) -> bytes:
+        try:
+            return await self._raw.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _io_error(exc) from None
+
+    async def aclose(self) -> None:
+        self._raw.close()
+
+
+class UpstreamClient:
+    """The aiohttp session every route of one gateway shares, made on first use (it needs the running loop).
+
+    No cookies are kept, redirects are not followed, proxy environment variables are not read (settings are the only
+    configuration) and bodies are not decompressed: the response bytes are relayed and teed exactly as they arrive.
+    TLS verifies against certifi's roots."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                limit=0,  # no cap on connections in flight (the gateway's own limits are elsewhere)
+                ssl=ssl.create_default_context(cafile=certifi.where()),
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                auto_decompress=False,
+                trust_env=False,
+                read_bufsize=_READ_BUFSIZE,
+            )
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,35 +153,36 @@ def gateway_status_for(upstream_status: int) -> int:
     return upstream_status
 
 
-def upstream_transport() -> ConnectionPool:
-    """The connection pool every route shares (HTTP/1.1 keep-alive)."""
-    return ConnectionPool(max_idle=64)
+def upstream_transport() -> UpstreamClient:
+    """The client every route of a gateway shares (one aiohttp session, HTTP/1.1 keep-alive)."""
+    return UpstreamClient()
 
 
 class Upstream:
-    """Sends chat-completions requests to one provider.
+    """Sends chat-completions requests to one provider on the shared client.
 
-    Each request is written whole (head and body in one write) on a kept-alive connection of the shared pool. No
-    cookies are kept, redirects are not followed and proxy environment variables are not read (settings are the
-    only configuration). `accept-encoding: identity` because the response bytes are relayed and teed exactly as they
-    arrive, which a compressed body would not survive.
+    `accept-encoding: identity` because the response bytes are relayed and teed exactly as they arrive, which a
+    compressed body would not survive.
     """
 
-    def __init__(self, config: UpstreamConfig, pool: ConnectionPool) -> None:
+    def __init__(self, config: UpstreamConfig, client: UpstreamClient) -> None:
         self.config = config
-        self._pool = pool
-        self._origin = Origin.parse(config.url)
-        headers = {
-            "host": self._origin.host_header,
+        self._client = client
+        url = URL(config.url)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"an upstream URL must be http:// or https:// with a host, got {config.url!r}")
+        self._url = url
+        self._models_url = url.with_path(url.path.removesuffix("/chat/completions") + "/models")
+        self._headers = {
             "content-type": "application/json",
             "accept": "application/json, text/event-stream",
             "accept-encoding": "identity",
             "user-agent": "sessionlog-gateway",
         }
         if config.api_key:
-            headers["authorization"] = f"Bearer {config.api_key}"
-        self._head = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
-        self._post = f"POST {self._origin.path} HTTP/1.1\r\n".encode("latin-1") + self._head
+            self._headers["authorization"] = f"Bearer {config.api_key}"
+        # `sock_read` also bounds the wait for the response's head, as the timeout always did
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s, sock_read=config.timeout_s)
 
     @property
     def name(self) -> str:
@@ -104,31 +198,41 @@ class Upstream:
             request = {**request, "model": mapped}
         return checked_body(request, messages)
 
-    async def _send(self, data: bytes) -> Response:
+    async def _send(self, method: str, url: URL, data: bytes | None) -> UpstreamResponse:
         config = self.config
-        try:
-            return await self._pool.request(
-                self._origin, data, connect_timeout_s=config.connect_timeout_s, timeout_s=config.timeout_s
-            )
-        except UpstreamReadTimeout as exc:
-            raise UpstreamTimeout(
-                f"the upstream provider {self.name!r} did not answer within {config.timeout_s}s ({exc})"
-            ) from None
-        except UpstreamIOError as exc:
-            raise UpstreamUnreachable(f"the upstream provider {self.name!r} cannot be reached: {exc}") from None
+        session = self._client.session
+        resent = False
+        while True:
+            try:
+                raw = await session.request(
+                    method, url, data=data, headers=self._headers, timeout=self._timeout, allow_redirects=False
+                )
+                return UpstreamResponse(raw)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # aiohttp resends only idempotent methods itself; a POST is resent here, once, on the same condition
+                if not resent and isinstance(exc, aiohttp.ClientError) and _closed_before_reply(exc):
+                    resent = True
+                    continue
+                failure = _io_error(exc)
+            if isinstance(failure, UpstreamReadTimeout):
+                raise UpstreamTimeout(
+                    f"the upstream provider {self.name!r} did not answer within {config.timeout_s}s ({failure})"
+                )
+            raise UpstreamUnreachable(f"the upstream provider {self.name!r} cannot be reached: {failure}")
 
-    async def open(self, body: bytes) -> Response:
+    async def open(self, body: bytes) -> UpstreamResponse:
         """Send the request; the response's body is left unread. Raises `UPSTREAM_TIMEOUT` / `UPSTREAM_UNREACHABLE`."""
-        return await self._send(self._post + b"content-length: %d\r\n\r\n" % len(body) + body)
+        return await self._send("POST", self._url, body)
 
     async def models(self) -> bytes:
         """The provider's model list (`GET {base}/models`), as it answers it; a typed error otherwise."""
-        path = self._origin.path.removesuffix("/chat/completions") + "/models"
-        response = await self._send(f"GET {path} HTTP/1.1\r\n".encode("latin-1") + self._head + b"\r\n")
+        response = await self._send("GET", self._models_url, None)
         try:
             data = await response.aread()
         except UpstreamIOError as exc:
             raise stream_error(exc, self.name, self.config.timeout_s) from None
+        finally:
+            await response.aclose()
         if response.status_code != 200:
             raise UpstreamError(
                 upstream_error_message(response.status_code, data),

@@ -1,5 +1,5 @@
-"""The gateway's HTTP/1.1 client (`services/gateway/http1.py`) against a real provider process's server: what keeps
-its pool healthy when connections end, and how its failures are typed."""
+"""The gateway's client to its providers (`services/gateway/upstream.py`, on aiohttp) against a real provider
+process's server: what keeps its pool healthy when connections end, and how its failures are typed."""
 
 from __future__ import annotations
 
@@ -64,3 +64,27 @@ async def test_failures_are_typed_timeout_and_unreachable(provider: tuple[Script
             await nobody.models()
     finally:
         await pool.aclose()
+
+
+async def test_a_post_is_resent_once_when_the_connection_closes_before_any_reply_byte() -> None:
+    # a provider that reads each request and hangs up without a byte of reply: the POST goes out twice, not more,
+    # and the failure is typed
+    requests = 0
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        if await reader.readuntil(b"\r\n\r\n"):
+            requests += 1
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = upstream_transport()
+    upstream = Upstream(UpstreamConfig("p", f"http://127.0.0.1:{port}/v1", timeout_s=2, connect_timeout_s=2), pool)
+    try:
+        with pytest.raises(UpstreamUnreachable):
+            await asyncio.wait_for(upstream.open(BODY), 10)
+        assert requests == 2
+    finally:
+        await asyncio.wait_for(pool.aclose(), 10)
+        server.close()

@@ -66,25 +66,41 @@ async def test_failures_are_typed_timeout_and_unreachable(provider: tuple[Script
         await pool.aclose()
 
 
-async def test_a_post_is_resent_once_when_the_connection_closes_before_any_reply_byte() -> None:
-    # a provider that reads each request and hangs up without a byte of reply: the POST goes out twice, not more,
-    # and the failure is typed
+async def test_a_post_is_resent_once_only_when_a_kept_alive_connection_closes_before_any_reply_byte() -> None:
+    # A provider that reads each request and hangs up without a byte of reply. On a fresh connection that says
+    # nothing about whether it acted on the request, so the POST goes out once (a second could make it answer, and
+    # bill, twice); on a kept-alive connection it is the pool's stale-connection race, and the POST is resent once.
     requests = 0
+    answer_first = True
 
-    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal requests
-        if await reader.readuntil(b"\r\n\r\n"):
+    async def provider(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests, answer_first
+        while await reader.readuntil(b"\r\n\r\n"):
             requests += 1
+            await reader.readexactly(len(BODY))
+            if not answer_first:
+                break
+            answer_first = False
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(BODY), BODY))
+            await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    server = await asyncio.start_server(provider, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     pool = upstream_transport()
     upstream = Upstream(UpstreamConfig("p", f"http://127.0.0.1:{port}/v1", timeout_s=2, connect_timeout_s=2), pool)
     try:
+        first = await upstream.open(BODY)  # answered; its connection goes back to the pool
+        assert await first.aread() == BODY
+        # the kept-alive connection: read, hung up on; resent once on a fresh connection, hung up on again
         with pytest.raises(UpstreamUnreachable):
             await asyncio.wait_for(upstream.open(BODY), 10)
-        assert requests == 2
+        assert requests == 3
+        # a fresh connection hung up on: sent once
+        await pool.aclose()
+        with pytest.raises(UpstreamUnreachable):
+            await asyncio.wait_for(upstream.open(BODY), 10)
+        assert requests == 4
     finally:
         await asyncio.wait_for(pool.aclose(), 10)
         server.close()

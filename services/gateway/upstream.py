@@ -42,9 +42,20 @@ def _io_error(exc: BaseException) -> UpstreamIOError:
     return UpstreamIOError(str(exc) or type(exc).__name__)
 
 
+async def _on_reuse(_session: aiohttp.ClientSession, context: Any, _params: Any) -> None:
+    context.trace_request_ctx["reused"] = True
+
+
+# Tells a request whether it went out on a kept-alive connection (aiohttp says so only through tracing).
+_REUSE: Final = aiohttp.TraceConfig()
+_REUSE.on_connection_reuseconn.append(_on_reuse)
+_REUSE.freeze()
+
+
 def _closed_before_reply(exc: aiohttp.ClientError) -> bool:
-    """Whether a request failed because its connection was found closed before any byte of a reply came back (a
-    kept-alive connection the provider closed meanwhile): then resending it cannot make the provider answer twice."""
+    """Whether a request failed because its connection was found closed before any byte of a reply came back. On a
+    kept-alive connection that is the provider having closed it meanwhile, and resending cannot make the provider
+    answer twice; on a fresh one the provider may have acted on it, so the caller resends only a reused one."""
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return isinstance(exc.message, str)  # else the part of a response head that did arrive
     if isinstance(exc, aiohttp.ClientConnectorError):  # connecting failed: the provider is unreachable
@@ -101,6 +112,7 @@ class UpstreamClient:
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 cookie_jar=aiohttp.DummyCookieJar(),
+                trace_configs=[_REUSE],
                 auto_decompress=False,
                 trust_env=False,
                 read_bufsize=_READ_BUFSIZE,
@@ -203,14 +215,18 @@ class Upstream:
         session = self._client.session
         resent = False
         while True:
+            sent_on: dict[str, bool] = {}
             try:
                 raw = await session.request(
-                    method, url, data=data, headers=self._headers, timeout=self._timeout, allow_redirects=False
-                )
+                    method, url, data=data, headers=self._headers, timeout=self._timeout, allow_redirects=False,
+                    trace_request_ctx=sent_on,
+                )  # fmt: skip
                 return UpstreamResponse(raw)
             except (aiohttp.ClientError, TimeoutError) as exc:
-                # aiohttp resends only idempotent methods itself; a POST is resent here, once, on the same condition
-                if not resent and isinstance(exc, aiohttp.ClientError) and _closed_before_reply(exc):
+                # aiohttp resends only idempotent methods itself; a POST is resent here, once, when a kept-alive
+                # connection turned out closed before any reply byte
+                reused = sent_on.get("reused", False)
+                if not resent and reused and isinstance(exc, aiohttp.ClientError) and _closed_before_reply(exc):
                     resent = True
                     continue
                 failure = _io_error(exc)

@@ -275,8 +275,12 @@ class RecordStore:
 
     async def _landed(self, session_id: str, headers: dict[str, str], first_seq: int, epoch: int) -> int | None:
         """After a timeout: the stream seq of our record if an earlier attempt stored it, else None. The epoch is
-        compared too: every fence has the same (empty) payload."""
-        last = await self._reader.last_record(session_id)
+        compared too: every fence has the same (empty) payload. A read that is not answered is one more attempt (the
+        record is sent again within the budget, and its answer settled again), not the end of the publish."""
+        try:
+            last = await self._reader.last_record(session_id)
+        except LogUnavailable:
+            raise _Retry from None
         if (
             last is not None
             and last.first_seq == first_seq
@@ -287,7 +291,10 @@ class RecordStore:
         return None
 
     async def _settle_duplicate(self, session_id: str, stream_seq: int, headers: dict[str, str], first_seq: int) -> int:
-        raw = await self._reader.leader_get(seq=stream_seq)
+        try:
+            raw = await self._reader.leader_get(seq=stream_seq)
+        except LogUnavailable:  # as in `_landed`: settled on a later attempt
+            raise _Retry from None
         if raw is not None and raw.headers.get(H_DIGEST) == headers[H_DIGEST]:
             return stream_seq
         raise Conflict(

@@ -50,7 +50,7 @@ from sessionlog.record import ALL_EVENTS, decode_record, partition_filter
 from sessionlog.runner import FETCH_BATCH, PULL_EXPIRES_S, PULL_HEARTBEAT_S, ProjectionRunner
 from sessionlog.settings import Settings
 
-from .common import QUICK, scale, scalef
+from .common import QUICK, cpu_seconds, scale, scalef
 from .synth import synthetic_log
 
 SESSIONS = scale(100, 20)
@@ -145,18 +145,6 @@ def flush_points(events: list[bytes]) -> set[int]:
         if kind in ("step/start", "tool/call", "turn/end"):
             points.add(i)
     return points
-
-
-def cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU a process has used so far (Linux /proc; None elsewhere)."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def lag_writers(

@@ -84,8 +84,10 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU a process has used so far (Linux /proc)."""
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU a process has used so far (Linux /proc; None elsewhere, or for no pid)."""
+    if pid is None:
+        return None
     try:
         with open(f"/proc/{pid}/stat") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()

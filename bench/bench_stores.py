@@ -81,12 +81,9 @@ def agent_workload(n: int) -> tuple[list[bytes], set[int]]:
 # ---------------------------------------------------------------------------------------------- the log
 
 
-async def log_agent(log: SessionLog, events: list[bytes], points: set[int]) -> dict[str, Any]:
-    """The writer on the agent workload: append every event, flush at the flush points."""
-    writer = await log.create(f"agent-{uuid.uuid4().hex[:8]}")
-    flushes: list[float] = []
-    gc.collect()
-    start = time.perf_counter()
+async def write_session(writer: SessionWriter, events: list[bytes], points: set[int], flushes: list[float]) -> None:
+    """Append every event, flushing at each of `points` (an agent's flush points) and at the end; each flush's
+    latency goes to `flushes`."""
     for i, raw in enumerate(events):
         await writer.append(raw)
         if i in points:
@@ -94,6 +91,15 @@ async def log_agent(log: SessionLog, events: list[bytes], points: set[int]) -> d
             await writer.flush()
             flushes.append(time.perf_counter() - t)
     await writer.flush()
+
+
+async def log_agent(log: SessionLog, events: list[bytes], points: set[int]) -> dict[str, Any]:
+    """The writer on the agent workload: append every event, flush at the flush points."""
+    writer = await log.create(f"agent-{uuid.uuid4().hex[:8]}")
+    flushes: list[float] = []
+    gc.collect()
+    start = time.perf_counter()
+    await write_session(writer, events, points, flushes)
     elapsed = time.perf_counter() - start
     sid = writer.session_id
     await writer.close()
@@ -309,13 +315,7 @@ async def _log_sessions(url: str, sessions: int, prefix: str, start_at: float) -
     flushes: list[float] = []
 
     async def one(writer: SessionWriter) -> None:
-        for i, raw in enumerate(events):
-            await writer.append(raw)
-            if i in points:
-                t = time.perf_counter()
-                await writer.flush()
-                flushes.append(time.perf_counter() - t)
-        await writer.flush()
+        await write_session(writer, events, points, flushes)
 
     await asyncio.sleep(max(0.0, start_at - time.time()))
     start = time.perf_counter()

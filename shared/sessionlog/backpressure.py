@@ -29,13 +29,19 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 MAX_IN_FLIGHT: Final = 256
+STATUS_HEADER: Final = "Status"
+NO_RESPONDERS: Final = "503"  # the server's answer when nothing listens on the subject (no stream)
 # The share of the duplicate window a record may wait while its connection is acknowledging others (settings require
 # `publish_retry_s` below the window): the margin keeps its last repeat inside the window.
 WINDOW_SHARE: Final = 0.9
 
 
 class PublishWindow:
-    """The record publishes of one connection: slots, and when the last acknowledgement came."""
+    """The record publishes of one connection: slots, and when the last acknowledgement came.
+
+    Answers come to the window's own reply subscription (one per connection, made at the first publish) and wake the
+    waiting record directly: a future and a timer per wait, where a request per publish wrapped in a task cost a
+    fifth of the writer's time per record (docs/performance.md, issue 12's before and after)."""
 
     def __init__(self, nc: Client, *, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         self._nc = nc
@@ -45,6 +51,10 @@ class PublishWindow:
         self._answers = 0  # how many were answered
         self._answered_at = time.monotonic()
         self._in_flight: set[int] = set()
+        self._waiting: dict[int, asyncio.Future[Msg | None]] = {}  # ticket -> the wait its answer ends
+        self._early: dict[int, Msg] = {}  # answers that came while their record was between two waits
+        self._prefix: str | None = None  # the reply subjects' prefix, once subscribed
+        self._subscribing = asyncio.Lock()
 
     @staticmethod
     def cap(budget_s: float, duplicate_window_s: float) -> float:
@@ -61,27 +71,21 @@ class PublishWindow:
                       started: float, budget_s: float, cap_s: float) -> Msg:  # fmt: skip
         """One attempt at a record: its answer, or `TimeoutError` when it should be sent again (or given up on:
         the caller asks `remaining`)."""
-        while True:  # a slot, waited for in slices so that the budget is asked again as it moves
-            left = self.remaining(started, budget_s, cap_s)
-            if left <= 0:
-                raise nats.errors.TimeoutError
-            try:
-                await asyncio.wait_for(self._slots.acquire(), timeout=min(attempt_s, left))
-                break
-            except TimeoutError:
-                continue
+        prefix = self._prefix if self._prefix is not None else await self._subscribe()
+        await self._slot(started, budget_s, cap_s, attempt_s)
         try:
             self._sent += 1
             ticket = self._sent
             self._in_flight.add(ticket)
-            answer = asyncio.ensure_future(self._nc.request(subject, payload, timeout=cap_s, headers=headers))
             try:
+                await self._nc.publish(subject, payload, reply=f"{prefix}{ticket}", headers=headers)
                 answers = self._answers
                 while True:
                     left = self.remaining(started, budget_s, cap_s)
-                    done, _ = await asyncio.wait({answer}, timeout=max(0.0, min(attempt_s, left)))
-                    if done:
-                        reply = answer.result()
+                    reply = await self._answer_within(ticket, max(0.0, min(attempt_s, left)))
+                    if reply is not None:
+                        if reply.headers and reply.headers.get(STATUS_HEADER) == NO_RESPONDERS:
+                            raise nats.errors.NoRespondersError
                         if not reply.data.startswith(b'{"error"'):  # a refusal (503: no quorum) is no progress
                             self._latest = max(self._latest, ticket)
                             self._answers += 1
@@ -96,7 +100,64 @@ class PublishWindow:
                     answers = self._answers  # earlier records are still being answered: the server is working
             finally:
                 self._in_flight.discard(ticket)
-                if not answer.done():
-                    answer.cancel()
+                self._early.pop(ticket, None)
         finally:
             self._slots.release()
+
+    async def _slot(self, started: float, budget_s: float, cap_s: float, attempt_s: float) -> None:
+        """A slot in the window, waited for in slices so that the budget is asked again as it moves."""
+        if not self._slots.locked():
+            await self._slots.acquire()  # free: taken without waiting
+            return
+        while True:
+            left = self.remaining(started, budget_s, cap_s)
+            if left <= 0:
+                raise nats.errors.TimeoutError
+            try:
+                await asyncio.wait_for(self._slots.acquire(), timeout=min(attempt_s, left))
+                return
+            except TimeoutError:
+                continue
+
+    async def _answer_within(self, ticket: int, timeout: float) -> Msg | None:
+        """The answer to `ticket` if it comes within `timeout` seconds, else None. The wait is a future the answer
+        or a timer completes; neither cancels anything, so an answer is never lost between two waits."""
+        early = self._early.pop(ticket, None)
+        if early is not None:
+            return early
+        loop = asyncio.get_running_loop()
+        wake: asyncio.Future[Msg | None] = loop.create_future()
+        self._waiting[ticket] = wake
+        timer = loop.call_later(timeout, _complete, wake, None)
+        try:
+            return await wake
+        finally:
+            timer.cancel()
+            del self._waiting[ticket]
+
+    async def _subscribe(self) -> str:
+        """The connection's reply subscription for records, made once."""
+        async with self._subscribing:
+            if self._prefix is None:
+                prefix = f"{self._nc.new_inbox()}."
+                await self._nc.subscribe(f"{prefix}*", cb=self._on_answer)
+                self._prefix = prefix
+            return self._prefix
+
+    async def _on_answer(self, msg: Msg) -> None:
+        assert self._prefix is not None
+        try:
+            ticket = int(msg.subject[len(self._prefix) :])
+        except ValueError:
+            return
+        wake = self._waiting.get(ticket)
+        if wake is not None:
+            _complete(wake, msg)
+        elif ticket in self._in_flight:  # its publish is still being handed to the connection
+            self._early[ticket] = msg
+        # else: an answer to a record given up on or sent again under a new ticket, dropped
+
+
+def _complete(wake: asyncio.Future[Msg | None], value: Msg | None) -> None:
+    if not wake.done():
+        wake.set_result(value)

@@ -1,0 +1,154 @@
+"""The publish window (backpressure.py) against a real nats-server, with a plain responder standing where JetStream
+answers records, so that each answer can be held, reordered or withheld.
+
+What the window promises: every record gets its own answer through one reply subscription per connection; a record
+whose later sibling was answered first is sent again; an answer is never lost, not even one that comes before its
+publish call returned; an answer to a record already given up on never reaches another record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from natsfixtures import new_session_id
+
+from sessionlog.backpressure import PublishWindow
+from sessionlog.embedded import EmbeddedServer
+
+pytest_plugins = ["natsfixtures"]
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
+
+ATTEMPT_S = 0.3
+BUDGET_S = 2.0
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(nats_server: EmbeddedServer) -> AsyncIterator[Client]:
+    nc = await nats.connect(nats_server.url)
+    yield nc
+    await nc.close()
+
+
+async def ask(window: PublishWindow, subject: str, payload: bytes, *, attempt_s: float = ATTEMPT_S) -> Msg:
+    return await window.request(
+        subject, payload, {}, attempt_s=attempt_s, started=time.monotonic(), budget_s=BUDGET_S, cap_s=BUDGET_S
+    )
+
+
+class Responder:
+    """Answers each request with its payload, unless told to hold the answer to a payload until released."""
+
+    def __init__(self, nc: Client, subject: str) -> None:
+        self.nc = nc
+        self.subject = subject
+        self.held: dict[bytes, str] = {}  # payload -> the reply subject its answer is owed to
+        self.hold: set[bytes] = set()
+        self.replies: list[str] = []
+
+    async def start(self) -> Responder:
+        await self.nc.subscribe(self.subject, cb=self._answer)
+        await self.nc.flush()
+        return self
+
+    async def _answer(self, msg: Msg) -> None:
+        self.replies.append(msg.reply)
+        if msg.data in self.hold:
+            self.held[msg.data] = msg.reply
+            return
+        await self.nc.publish(msg.reply, msg.data)
+
+    async def release(self, payload: bytes) -> None:
+        await self.nc.publish(self.held.pop(payload), payload)
+        await self.nc.flush()
+
+
+async def test_every_record_gets_its_own_answer_through_one_reply_subscription(client: Client) -> None:
+    subject = f"bp.{new_session_id()}"
+    responder = await Responder(client, subject).start()
+    window = PublishWindow(client, max_in_flight=8)  # fewer slots than records: some wait for one
+    payloads = [f"record {i}".encode() for i in range(200)]
+
+    answers = await asyncio.gather(*(ask(window, subject, p) for p in payloads))
+
+    assert [a.data for a in answers] == payloads
+    prefixes = {reply.rsplit(".", 1)[0] for reply in responder.replies}
+    assert len(prefixes) == 1, prefixes
+    assert len(set(responder.replies)) == len(payloads)
+
+
+async def test_a_subject_nobody_answers_raises_no_responders(client: Client) -> None:
+    window = PublishWindow(client)
+    with pytest.raises(nats.errors.NoRespondersError):
+        await ask(window, f"bp.nobody.{new_session_id()}", b"x")
+
+
+async def test_a_record_overtaken_by_a_later_answer_is_sent_again_and_its_late_answer_reaches_nobody(
+    client: Client,
+) -> None:
+    subject = f"bp.{new_session_id()}"
+    responder = await Responder(client, subject).start()
+    responder.hold.add(b"first")
+    window = PublishWindow(client)
+
+    first = asyncio.create_task(ask(window, subject, b"first"))
+    while not responder.held:
+        await asyncio.sleep(0.01)
+    assert (await ask(window, subject, b"second")).data == b"second"
+    with pytest.raises(nats.errors.TimeoutError):  # a later record was answered first: this one was lost
+        await first
+
+    responder.hold.clear()
+    await responder.release(b"first")  # the answer to the record given up on comes after all
+    third = await ask(window, subject, b"third")
+    assert third.data == b"third"
+
+
+async def test_an_answer_that_comes_before_its_publish_returned_is_not_lost(client: Client) -> None:
+    subject = f"bp.{new_session_id()}"
+    await Responder(client, subject).start()
+
+    class SlowPublish:
+        """A connection whose publish returns only after the answer was surely delivered."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(client, name)
+
+        async def publish(self, *args: Any, **kwargs: Any) -> None:
+            await client.publish(*args, **kwargs)
+            await client.flush()
+            await asyncio.sleep(0.2)
+
+    window = PublishWindow(SlowPublish())  # type: ignore[arg-type]
+    answer = await ask(window, subject, b"early", attempt_s=0.1)  # an attempt shorter than the publish took
+    assert answer.data == b"early"
+
+
+async def test_with_no_answer_at_all_the_oldest_record_is_the_one_sent_again(client: Client) -> None:
+    subject = f"bp.{new_session_id()}"
+    responder = await Responder(client, subject).start()
+    responder.hold.update({b"old", b"young"})
+    window = PublishWindow(client)
+    finished: list[bytes] = []
+
+    async def record(payload: bytes) -> None:
+        with pytest.raises(nats.errors.TimeoutError):
+            await ask(window, subject, payload)
+        finished.append(payload)
+
+    old = asyncio.create_task(record(b"old"))
+    while b"old" not in responder.held:
+        await asyncio.sleep(0.01)
+    young = asyncio.create_task(record(b"young"))
+    await asyncio.wait_for(old, timeout=BUDGET_S)
+    assert finished == [b"old"]  # the younger record still waits: one probe per silent attempt
+    await asyncio.wait_for(young, timeout=2 * BUDGET_S)
+    assert finished == [b"old", b"young"]

@@ -15,6 +15,7 @@ from typing import Any
 
 from sessionlog.log import SessionLog
 from sessionlog.metrics import HealthServer
+from sessionlog.process import tune_gc
 from sessionlog.services import Factory, RunOptions, ServiceHandle
 from sessionlog.settings import Settings
 
@@ -90,6 +91,7 @@ async def run_until_signalled(names: list[str], settings: Settings, options: Run
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     stack = await Stack.start(names, settings, options)
+    tune_gc()  # a long-running process: what was started now lives as long as it does
     try:
         if on_ready is not None:
             on_ready(stack)

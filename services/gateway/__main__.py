@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 
+from sessionlog.process import tune_gc
 from sessionlog.settings import Settings
 
 from . import serve
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         config = config.with_(derivation=args.derivation)
     if args.no_raw_tee:
         config = config.with_(raw_tee=False)
+    tune_gc()
     with contextlib.suppress(KeyboardInterrupt):
         run(serve(settings, config))
     return 0

@@ -274,10 +274,23 @@ class Recorder:
         # abandoned before its queue is published, so the log keeps nothing of this request.
         held.dirty = True
         await write_plan(writer, plan)
-        await writer.flush()
-        held.dirty = False
-        self.planner.remember(held.known, plan, writer.session)
-        return self._exchange(call, held, writer, plan)
+        # The record goes out first, and what is forwarded (the derivation, its check) is prepared while its
+        # acknowledgement is on the way: a JetStream round trip is most of record mode's own latency. Nothing is
+        # forwarded before the acknowledgement came; a check that fails still waits for it (the events are then
+        # logged, and the request refused, as when the check followed the flush).
+        flushed = asyncio.ensure_future(writer.flush())
+        try:
+            await _handed_to_the_connection()
+            self.planner.remember(held.known, plan, writer.session)
+            try:
+                exchange = self._exchange(call, held, writer, plan)
+            finally:
+                await flushed
+                held.dirty = False
+        except BaseException:
+            flushed.cancel()  # a request cancelled while its record was in flight (the writer settles it)
+            raise
+        return exchange
 
     def _exchange(self, call: Call, held: _Held, writer: SessionWriter, plan: Plan) -> Exchange:
         session = writer.session
@@ -316,6 +329,13 @@ class Recorder:
 
         return Exchange(session_id, writer, self.gateway.record_provider, finishing, free, forwarded, expected,
                         turn, step)  # fmt: skip
+
+
+async def _handed_to_the_connection() -> None:
+    """Two turns of the loop: the flush task publishes its record (queued on the NATS connection), and the
+    connection's flusher task writes it to the socket, before the caller goes on."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
 
 
 def _tenant_of(header: bytes) -> str:

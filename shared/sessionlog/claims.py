@@ -2,7 +2,11 @@
 (`partition.<projection>.<N>`). Replicas find each other with a presence request on
 `sessionlog.replicas.<projection>`; each takes a fair share, preferring partitions by rendezvous hash, hands extras
 to newcomers, and a survivor takes over a dead replica's partitions once their leases expire. Without a leader no
-lease can be taken: `failure` says why, and the loop keeps trying."""
+lease can be taken: `failure` says why, and the loop keeps trying.
+
+Each round refreshes every held lease at once. A partition let go of (handed to a newcomer, or lost) stops its feed
+in a task of its own: a feed finishes the burst in hand first, seconds on a loaded machine, and a round that waited
+for it let the other leases lapse (taken by another replica while this one still applied their records)."""
 
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ class PartitionClaims:
         self._disown = disown
         self.failure: str | None = "no claim round has completed yet"
         self._presence: Any = None
+        self._leaving: set[asyncio.Task[None]] = set()  # partitions being let go of (their feeds stopping)
+        self._leaving_numbers: set[int] = set()  # not claimed again until their feed has stopped
 
     async def start(self) -> None:
         self._presence = await self.nc.subscribe(f"sessionlog.replicas.{self.projection}", cb=self._answer_presence)
@@ -98,24 +104,69 @@ class PartitionClaims:
     async def round(self, ttl: float) -> None:
         replicas = await self.live_replicas()
         share = math.ceil(len(self.partitions) / max(1, len(replicas)))
-        for number, lease in list(self.held.items()):  # keep what we hold
-            try:
-                self.held[number] = await self.leases.refresh(lease)
-            except LeaseLost:
-                log.warning("%s: lost partition %d", self.projection, number)
-                await self._disown(number, False)
+        await self._refresh_held()
         while len(self.held) > share:  # hand extras to newcomers
-            await self._disown(max(self.held, key=self.preference), True)
+            number = max(self.held, key=self.preference)
+            self._let_go(number, self.held.pop(number), release=True)
         for number in sorted(self.partitions, key=self.preference):
             if len(self.held) >= share:
                 break
-            if number in self.held:
+            if number in self.held or number in self._leaving_numbers:
                 continue
             try:
                 lease = await self.leases.acquire(f"partition.{self.projection}.{number}", self.replica_id, ttl)
             except LeaseHeld:
                 continue
             await self._own(number, lease)
+
+    async def _refresh_held(self) -> None:
+        """Refresh every held lease at once: one round trip for all, not one per partition."""
+        held = list(self.held.items())
+        results = await asyncio.gather(*(self.leases.refresh(lease) for _, lease in held), return_exceptions=True)
+        failed: BaseException | None = None
+        for (number, lease), result in zip(held, results, strict=True):
+            if self.held.get(number) is not lease:
+                continue  # let go of meanwhile
+            if isinstance(result, Lease):
+                self.held[number] = result
+            elif isinstance(result, LeaseLost):
+                log.warning("%s: lost partition %d", self.projection, number)
+                self._let_go(number, self.held.pop(number), release=False)
+            else:
+                failed = failed or result
+        if failed is not None:
+            raise failed
+
+    def _let_go(self, number: int, lease: Lease, *, release: bool) -> None:
+        """Stop a partition's feed and (`release`) give its lease up, in a task of its own: a feed finishes the
+        burst in hand first, which can take seconds, and the leases kept must be refreshed meanwhile. The partition
+        is no longer held from now on, so it is neither refreshed nor counted in the share."""
+        self._leaving_numbers.add(number)
+        task = asyncio.create_task(self._stop_and_release(number, lease, release), name=f"let-go-{number}")
+        self._leaving.add(task)
+        task.add_done_callback(self._leaving.discard)
+
+    async def _stop_and_release(self, number: int, lease: Lease, release: bool) -> None:
+        try:
+            try:
+                await self._disown(number, False)
+            except Exception as err:
+                log.warning("%s: stopping partition %d failed: %s", self.projection, number, err)
+            if release:
+                await self.release(lease)
+        finally:
+            self._leaving_numbers.discard(number)
+
+    async def settle(self) -> None:
+        """Wait for the partitions being let go of (a graceful stop)."""
+        while self._leaving:
+            await asyncio.gather(*self._leaving, return_exceptions=True)
+
+    async def abandon(self) -> None:
+        """Stop letting go of partitions at once (a replica that dies)."""
+        for task in list(self._leaving):
+            task.cancel()
+        await asyncio.gather(*self._leaving, return_exceptions=True)
 
     async def still_held(self, number: int) -> bool:
         """Whether the lease of a partition is still ours (by reading it: refreshing is the loop's, and two

@@ -178,6 +178,8 @@ class ProjectionRunner(Generic[S]):
         for task in self._tasks:
             await cancel_and_wait(task)
         self._tasks.clear()
+        if self.claims is not None:
+            await self.claims.settle()  # partitions being handed over finish, and their leases are released
         for number in list(self.feeds):
             await self._disown(number, True)
         for feed in self._extra_feeds:
@@ -197,6 +199,8 @@ class ProjectionRunner(Generic[S]):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self.claims is not None:
+            await self.claims.abandon()
         for feed in [*self.feeds.values(), *self._extra_feeds]:
             await feed.abort()
         self.feeds.clear()

@@ -4,9 +4,9 @@ The garbage collector: a projection holds every resident session's events, tens 
 and drops a few objects per event it applies. With CPython's default thresholds (700, 10, 10) a young collection
 runs every 700 allocations and older ones follow, so the collector's share grows with what the process holds: a
 cold rebuild of the slowest projection ran at 0.45 of the raw read floor with them in every bench_projections run
-of 2026-12-03, and at 0.64 with the thresholds below (issue 16). Nearly everything a service allocates dies by reference counting (records,
-events, replies hold no cycles); the collector is only there for the rare cycle (a task and its exception), which
-a larger first generation reclaims a little later.
+of 2026-12-03, and at 0.64 with the thresholds below (issue 16). Nearly everything a service allocates dies by
+reference counting (records, events, replies hold no cycles); the collector is only there for the rare cycle (a
+task and its exception), which a larger first generation reclaims a little later.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from natsfixtures import new_session_id
 from scaffold import Opened, eventually
 
 from services.gateway import GatewayConfig, ScriptedProvider, ServerThread, UpstreamConfig, build_app
+from services.gateway.record_events import Exchange
 from services.repairer.service import RepairerService
 from sessionlog.audit import RawAssembler, audit_session
 from sessionlog.cli import main as cli_main
@@ -744,6 +745,75 @@ async def test_a_changed_field_is_a_new_request_header_and_1_for_1_0_is_no_chang
     sent = [without_transport(b) for b in provider.received]
     assert [r["temperature"] for r in sent] == [1.0, 1.0, 0.5] and sent[1]["response_format"] == {"type": "text"}
     assert type(sent[1]["temperature"]) is float  # the logged value, not the client's `1`
+
+
+async def test_logging_a_chunk_never_holds_the_next_one_back(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay passes each piece of a streamed answer on as it comes, whatever logging the pieces before it costs:
+    the chunks are logged in order, behind the relay, and all of them before the turn ends. (Logged inline, a piece
+    waited until the chunks of the piece before it were logged.)"""
+    sid = new_session_id("rec")
+    provider.load([{"text": "one two three four five six seven eight nine ten", "chunk_delay_s": 0.02}])
+    started = finished = 0
+    relayed_during_a_log = 0
+    real_chunk, real_relayed = Exchange._chunk, Exchange.relayed
+
+    async def slow_chunk(self: Exchange, chunk: dict[str, Any]) -> None:
+        nonlocal started, finished
+        started += 1
+        await asyncio.sleep(0.1)  # a slow log, five times the provider's pace
+        await real_chunk(self, chunk)
+        finished += 1
+
+    async def watched_relayed(self: Exchange, data: bytes) -> None:
+        nonlocal relayed_during_a_log
+        if started > finished:
+            relayed_during_a_log += 1  # the relay went on while a chunk was being logged
+        await real_relayed(self, data)
+
+    monkeypatch.setattr(Exchange, "_chunk", slow_chunk)
+    monkeypatch.setattr(Exchange, "relayed", watched_relayed)
+    body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "Count"}]}
+    reply = {"role": "assistant", "content": "one two three four five six seven eight nine ten"}
+    follow = {**body, "stream": False, "messages": [*body["messages"], reply, {"role": "user", "content": "More"}]}
+    lines: list[str] = []
+    logged_at_done = -1
+    next_request: asyncio.Task[httpx.Response] | None = None
+    async with http.stream("POST", base(gateway, sid) + "/chat/completions", content=msgspec.json.encode(body)) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+            if line == "data: [DONE]":
+                logged_at_done = finished
+                provider.load([{"text": "eleven"}])
+                # As an SDK does: the answer is complete at [DONE], and the next request goes out at once, while
+                # the gateway still logs this answer's chunks. It waits for them; it is not refused as busy.
+                next_request = asyncio.create_task(complete(http, gateway, sid, follow))
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 5
+    assert relayed_during_a_log > 0, "every piece of the answer waited for the logging of the one before"
+    assert logged_at_done < started, "the last line reached the client only once every chunk was logged"
+    assert next_request is not None
+    response = await next_request
+    assert response.status_code == 200, response.text
+
+    async def ended() -> bool:
+        session = await load(log, sid)
+        return bool(session) and session[len(session) - 1].type == "turn/end"
+
+    await eventually(ended, "the turn logged to its end")
+    session = await load(log, sid)
+    first_turn = [e for e in session if e.type == "assistant/chunk" and msgspec.json.decode(e.raw)["data"]["turn"] == 1]
+    chunks = [msgspec.json.decode(e.raw)["data"]["chunk"] for e in first_turn]
+    assert finished == len(chunks)  # every chunk logged before the end
+    text = "".join(c["text"] for c in chunks if c["type"] == "text-delta")
+    assert text == "one two three four five six seven eight nine ten"  # and in order
+    assert [e.type for e in session].count("turn/end") == 2
 
 
 async def test_a_client_that_hangs_up_right_after_the_last_line_gets_a_completed_turn(

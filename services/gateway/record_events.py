@@ -6,7 +6,9 @@ turn (`completed`, or `max-tokens`), a client that disconnects ends it `aborted`
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -95,18 +97,37 @@ class Exchange:
         self.assembler = ResponseAssembler()
         self.chunk_seqs: list[int] = []
         self.ended_once = False
+        self._relayed: deque[Any] = deque()  # lines relayed, not yet logged
+        self._logging: asyncio.Task[None] | None = None
 
     async def _chunk(self, chunk: dict[str, Any]) -> None:
         event = await self.writer.emit("assistant/chunk", {"turn": self.turn, "step": self.step, "chunk": chunk})
         self.chunk_seqs.append(event.seq)
 
     async def relayed(self, data: bytes) -> None:
-        """Bytes of a streamed answer that the client has been sent."""
-        for obj in self.sse.feed(data):
-            for chunk in self.assembler.chunk(obj):
-                await self._chunk(chunk)
+        """Bytes of a streamed answer that the client has been sent. Their lines are read here (the session is
+        `finishing` as soon as the last one was relayed), and their chunks logged in the exchange's own task, in
+        order: the relay goes on to the next bytes at once, so logging never holds a chunk back (each piece used to
+        wait for the logging of the one before)."""
+        self._relayed.extend(self.sse.feed(data))
         if self.sse.done:
             self.finishing()
+        task = self._logging
+        if task is not None and (not task.done() or task.cancelled() or task.exception() is not None):
+            return  # the task in flight takes these lines too; after a failure nothing more is logged (`ended` says)
+        if self._relayed:
+            self._logging = asyncio.create_task(self._log_relayed(), name=f"record-chunks-{self.session_id}")
+
+    async def _log_relayed(self) -> None:
+        while self._relayed:
+            for chunk in self.assembler.chunk(self._relayed.popleft()):
+                await self._chunk(chunk)
+
+    async def _logged_relayed(self) -> None:
+        """Once every relayed byte is logged (raises what logging them raised)."""
+        while self._logging is not None:
+            logging_, self._logging = self._logging, None
+            await logging_
 
     async def ended(self, outcome: str, status: int, *, body: bytes | None = None, message: str = "") -> None:
         """The exchange is over: log how it ended, and free the session."""
@@ -116,6 +137,7 @@ class Exchange:
         self.finishing()
         broken = False
         try:
+            await self._logged_relayed()
             await self._log_end(outcome, status, body, message)
             await self.writer.flush()  # the answer is durable before the session takes the next request
         except SessionLogError as err:

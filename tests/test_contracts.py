@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 from natsfixtures import new_session_id
-from scaffold import WAIT_S
+from scaffold import WAIT_S, eventually
 from sessiongen import streamed_turn
 
 from services.context_deriver.service import ContextDeriverService
@@ -34,6 +34,13 @@ async def services(log: SessionLog) -> AsyncIterator[None]:
     try:
         for service in started:
             await service.start()
+
+        async def ready() -> bool:
+            return all(service.runner.health()["ready"] for service in started)
+
+        # Every partition claimed (the first claim round done): a stats reply counts the sessions of all of them.
+        # Without this wait, a loaded machine once answered stats while three partitions were still unclaimed.
+        await eventually(ready, "the services ready, every partition claimed")
         yield
     finally:
         for service in reversed(started):

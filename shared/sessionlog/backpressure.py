@@ -25,12 +25,11 @@ import time
 from typing import Final
 
 import nats.errors
-from nats.aio.client import Client
+from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
+from nats.js.api import Header
 
 MAX_IN_FLIGHT: Final = 256
-STATUS_HEADER: Final = "Status"
-NO_RESPONDERS: Final = "503"  # the server's answer when nothing listens on the subject (no stream)
 # The share of the duplicate window a record may wait while its connection is acknowledging others (settings require
 # `publish_retry_s` below the window): the margin keeps its last repeat inside the window.
 WINDOW_SHARE: Final = 0.9
@@ -84,7 +83,7 @@ class PublishWindow:
                     left = self.remaining(started, budget_s, cap_s)
                     reply = await self._answer_within(ticket, max(0.0, min(attempt_s, left)))
                     if reply is not None:
-                        if reply.headers and reply.headers.get(STATUS_HEADER) == NO_RESPONDERS:
+                        if reply.headers and reply.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
                             raise nats.errors.NoRespondersError
                         if not reply.data.startswith(b'{"error"'):  # a refusal (503: no quorum) is no progress
                             self._latest = max(self._latest, ticket)

@@ -53,8 +53,8 @@ class PartitionClaims:
         self._disown = disown
         self.failure: str | None = "no claim round has completed yet"
         self._presence: Any = None
-        self._leaving: set[asyncio.Task[None]] = set()  # partitions being let go of (their feeds stopping)
-        self._leaving_numbers: set[int] = set()  # not claimed again until their feed has stopped
+        # Partitions being let go of (their feeds stopping), not claimed again until they are gone from here.
+        self._leaving: dict[int, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
         self._presence = await self.nc.subscribe(f"sessionlog.replicas.{self.projection}", cb=self._answer_presence)
@@ -111,7 +111,7 @@ class PartitionClaims:
         for number in sorted(self.partitions, key=self.preference):
             if len(self.held) >= share:
                 break
-            if number in self.held or number in self._leaving_numbers:
+            if number in self.held or number in self._leaving:
                 continue
             try:
                 lease = await self.leases.acquire(f"partition.{self.projection}.{number}", self.replica_id, ttl)
@@ -141,32 +141,29 @@ class PartitionClaims:
         """Stop a partition's feed and (`release`) give its lease up, in a task of its own: a feed finishes the
         burst in hand first, which can take seconds, and the leases kept must be refreshed meanwhile. The partition
         is no longer held from now on, so it is neither refreshed nor counted in the share."""
-        self._leaving_numbers.add(number)
         task = asyncio.create_task(self._stop_and_release(number, lease, release), name=f"let-go-{number}")
-        self._leaving.add(task)
-        task.add_done_callback(self._leaving.discard)
+        self._leaving[number] = task
+        task.add_done_callback(lambda done: self._leaving.pop(number) if self._leaving.get(number) is done else None)
 
     async def _stop_and_release(self, number: int, lease: Lease, release: bool) -> None:
         try:
-            try:
-                await self._disown(number, False)
-            except Exception as err:
-                log.warning("%s: stopping partition %d failed: %s", self.projection, number, err)
-            if release:
-                await self.release(lease)
-        finally:
-            self._leaving_numbers.discard(number)
+            await self._disown(number, False)
+        except Exception as err:
+            log.warning("%s: stopping partition %d failed: %s", self.projection, number, err)
+        if release:
+            await self.release(lease)
 
     async def settle(self) -> None:
         """Wait for the partitions being let go of (a graceful stop)."""
         while self._leaving:
-            await asyncio.gather(*self._leaving, return_exceptions=True)
+            await asyncio.gather(*self._leaving.values(), return_exceptions=True)
 
     async def abandon(self) -> None:
         """Stop letting go of partitions at once (a replica that dies)."""
-        for task in list(self._leaving):
+        tasks = list(self._leaving.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._leaving, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def still_held(self, number: int) -> bool:
         """Whether the lease of a partition is still ours (by reading it: refreshing is the loop's, and two

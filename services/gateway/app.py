@@ -107,6 +107,7 @@ class Gateway:
         self._log = log
         self._owns_log = log is None
         self._source = source
+        self._owns_source = source is None
         self._http: UpstreamClient | None = None
         self._upstreams: dict[str, Upstream] = {}
         self._default: Upstream | None = None
@@ -163,6 +164,8 @@ class Gateway:
     async def stop(self) -> None:
         self.started = False
         await self.recorder.stop()
+        if self._source is not None and self._owns_source:
+            await self._source.close()
         if self._tee is not None:
             await self._tee.drain()
         if self._http is not None:

@@ -4,10 +4,13 @@
 step of the durable log once it holds at least seq `min_seq` (the last seq the caller says it flushed, inclusive).
 
 - `StreamSource` reads the event stream itself, through the projection runtime's `SessionCache`: it keeps a live
-  `Session` per recently used session and, on every call, reads only the records after the last one it applied
-  (one direct-get round trip when nothing is new), so a long session is validated once, not once per request. It
-  always reads the tail: the invariant is about the durable log at dispatch time, not about what the caller
-  claims. It waits for `min_seq` by the cache's one rule (bounded by `wait_s`).
+  `Session` per recently used session and reads only the records after the last one it applied, so a long session
+  is validated once, not once per request. The invariant is about the durable log at dispatch time, not about what
+  the caller claims: a request that does not name the seq it flushed always reads the tail (one direct-get round
+  trip when nothing is new). One that names it is answered without a read when the session is watched
+  (`tails.TailWatch`) and known to hold that seq with nothing newer announced; announced records are read ahead
+  in the background, so an agent's next request usually finds them held. It waits for `min_seq` by the cache's
+  one rule (bounded by `wait_s`).
 - `ContextDeriverClient` asks the context-deriver (`sessionlog.context.derive`, request and reply declared in
   `sessionlog.contracts`) and falls back to a `StreamSource` when no deriver answers in time.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Protocol
 
@@ -38,6 +41,8 @@ from sessionlog.micro import UnreadableReply, ask
 from sessionlog.session import DerivedMessage, DerivedMessages, FoldedHeader, Session
 from sessionlog.sessioncache import NotReached, Projection, SessionCache, SessionLogState
 from sessionlog.wire import PHRASE
+
+from .tails import TailWatch
 
 log = logging.getLogger("sessionlog.gateway")
 
@@ -62,6 +67,8 @@ class Derivation:
 class DerivationSource(Protocol):
     async def derive(self, session_id: str, min_seq: int | None) -> Derivation: ...
 
+    async def close(self) -> None: ...
+
 
 def _not_reached(session_id: str, min_seq: int, last: int, waited: float) -> DerivationDiverges:
     return DerivationDiverges(
@@ -76,38 +83,81 @@ class _Logs(Projection[SessionLogState]):
 
     name: ClassVar[str] = "gateway-stream"
 
+    def __init__(self, forgotten: Callable[[str], None]) -> None:
+        self._forgotten = forgotten
+
     def new_state(self, session_id: str) -> SessionLogState:
         return SessionLogState(session_id)
+
+    def on_forget(self, session_id: str) -> None:
+        self._forgotten(session_id)
 
 
 class StreamSource:
     """Derives from the event stream directly, keeping recently used sessions live (`max_sessions`) in the
-    runtime's session cache: its `session_at` catches a session up from the stream and waits for `min_seq`."""
+    runtime's session cache: its `session_at` catches a session up from the stream and waits for `min_seq`.
 
-    def __init__(self, log: SessionLog, *, wait_s: float = 5.0, max_sessions: int = 1024) -> None:
+    With `watch` (the default), the sessions held are watched (`tails.TailWatch`): a request that names the seq
+    it flushed is answered without reading the tail when the session is known to hold it and nothing newer was
+    announced; records announced are read ahead, in the background. `served_watched` and `read_on_request` count
+    the two ways a derivation was made."""
+
+    def __init__(self, log: SessionLog, *, wait_s: float = 5.0, max_sessions: int = 1024, watch: bool = True) -> None:
         self._log = log
         self._wait_s = wait_s
-        self._sessions = SessionCache(log, _Logs(), max_sessions=max_sessions)
+        self._sessions = SessionCache(log, _Logs(self._forgotten), max_sessions=max_sessions)
+        self.tails = TailWatch(log.nc, self._read) if watch else None
+        self.served_watched = 0
+        self.read_on_request = 0
 
     async def derive(self, session_id: str, min_seq: int | None) -> Derivation:
-        if session_id not in self._sessions.states and await self._log.header(session_id) is None:
+        held = self._sessions.states.get(session_id)
+        if held is not None and self._fresh(held, min_seq):
+            self.served_watched += 1
+            self._sessions.states.touch(session_id)
+            return _derivation(session_id, held.session)
+        if held is None and await self._log.header(session_id) is None:
             raise SessionNotFound(f"session {session_id} not found")
         started = time.monotonic()
         try:
             state = await self._sessions.session_at(session_id, min_seq, self._wait_s)
         except NotReached as exc:
             raise _not_reached(session_id, exc.min_seq, exc.have, time.monotonic() - started) from None
-        session = state.session if state is not None else Session()
-        step = session.open_step
-        return Derivation(
-            session_id=session_id,
-            seq=len(session) - 1,
-            messages=session.derive_messages(),
-            header=session.fold_request_header(),
-            open_step=(session.open_turn or 0, step.number) if step is not None else None,
-            generation=session.generation,
-            source="stream",
-        )
+        self.read_on_request += 1
+        if self.tails is not None and state is not None:
+            self.tails.held(session_id, state.next_seq)
+            await self.tails.watch(session_id)
+        return _derivation(session_id, state.session if state is not None else Session())
+
+    def _fresh(self, held: SessionLogState, min_seq: int | None) -> bool:
+        if self.tails is None or min_seq is None:
+            return False
+        return self.tails.fresh(held.session_id, held.next_seq, min_seq)
+
+    async def _read(self, session_id: str) -> int:
+        state = await self._sessions.refresh(session_id)
+        return state.next_seq if state is not None else 0
+
+    def _forgotten(self, session_id: str) -> None:
+        if self.tails is not None:
+            self.tails.forget(session_id)
+
+    async def close(self) -> None:
+        if self.tails is not None:
+            await self.tails.close()
+
+
+def _derivation(session_id: str, session: Session) -> Derivation:
+    step = session.open_step
+    return Derivation(
+        session_id=session_id,
+        seq=len(session) - 1,
+        messages=session.derive_messages(),
+        header=session.fold_request_header(),
+        open_step=(session.open_turn or 0, step.number) if step is not None else None,
+        generation=session.generation,
+        source="stream",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- deriver client
@@ -196,6 +246,9 @@ class ContextDeriverClient:
         self.incremental = 0  # replies that carried only the added messages
         self._skip_until = 0.0
         self._known: LRU[str, _Known] = LRU(max_sessions)
+
+    async def close(self) -> None:
+        await self._fallback.close()
 
     async def _request(self, request: DeriveRequest) -> DeriveReply:
         return await ask(self._nc, DERIVE, request, timeout=self._timeout, subject=self._subject)

@@ -159,6 +159,14 @@ class SessionCache(Generic[S]):
                 self._drop_waiter(session_id, entry)
             delay = min(delay * 2, WAIT_MAX_S)
 
+    async def refresh(self, session_id: str) -> S | None:
+        """The session caught up by a read that starts now: one already in flight, which may have begun before
+        something the caller knows of, is waited for first and not taken as the answer."""
+        task = self._loading.get(session_id)
+        if task is not None:
+            await asyncio.wait([task])
+        return await self._current(session_id)
+
     def has_waiters(self, session_id: str) -> bool:
         return session_id in self._waiters
 

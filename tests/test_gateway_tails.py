@@ -1,0 +1,227 @@
+"""The check mode's derivation without a read of the tail per request (`services.gateway.tails.TailWatch`).
+
+A request that names the seq its caller flushed is answered from the session the gateway holds when that seq is
+held, the watch is confirmed and no newer record was announced; every other request reads the tail, as before.
+Announced records are read ahead in the background. A hint is never applied: a record the stream refuses only
+makes the gateway read. Real nats-server, real writers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import nats.js.errors
+import pytest
+import pytest_asyncio
+from natsfixtures import bounded, log_settings, new_session_id
+from sessiongen import user_message_data
+
+from services.gateway.derivation import Derivation, StreamSource
+from sessionlog.embedded import EmbeddedServer
+from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.record import FORMAT, H_COUNT, H_EXPECTED_LAST_SUBJECT_SEQ, H_FIRST_SEQ, H_FORMAT, in_subject
+from sessionlog.session import messages_canonical
+from sessionlog.settings import Settings
+
+pytest_plugins = ["natsfixtures"]
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
+
+HEADER = {"config": {"provider": "p", "model": "m"}, "system": "be brief"}
+WAIT_S = 10.0
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def log(provisioned: Settings) -> AsyncIterator[SessionLog]:
+    assert provisioned.nats_url is not None
+    opened = await SessionLog.connect(log_settings(provisioned.nats_url))
+    try:
+        yield opened
+    finally:
+        await bounded(opened.close())
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def source(log: SessionLog) -> AsyncIterator[StreamSource]:
+    made = StreamSource(log, wait_s=1.0)
+    try:
+        yield made
+    finally:
+        await made.close()
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    for _ in range(int(WAIT_S / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {WAIT_S}s: {what}")
+
+
+async def settled(source: StreamSource, session_id: str) -> None:
+    """Until the watch of the session is confirmed and nothing is being read ahead."""
+    tails = source.tails
+    assert tails is not None
+    await until(lambda: tails.settled(session_id), "the watch settles")
+
+
+async def user_turn(writer: SessionWriter, text: str) -> int:
+    """A turn left open at a step (closing the one before); the seq flushed."""
+    turn = writer.session.last_turn + 1
+    if turn > 1:
+        await writer.emit("step/end", {"turn": turn - 1, "step": 1})
+        await writer.emit("turn/end", {"turn": turn - 1, "reason": {"kind": "completed"}})
+    await writer.emit("turn/start", {"turn": turn})
+    if turn == 1:
+        await writer.emit("request/header", {"header": HEADER, "reason": "initial"})
+    await writer.emit("user/message", user_message_data(text, f"u{turn}"), surface_op="append")
+    await writer.emit("step/start", {"turn": turn, "step": 1})
+    return await writer.flush()
+
+
+def same(derived: Derivation, writer: SessionWriter) -> bool:
+    return messages_canonical(derived.messages) == messages_canonical(writer.session.derive_messages()) and (
+        derived.seq == writer.durable_seq
+    )
+
+
+async def counted(source: StreamSource, step: Awaitable[Derivation]) -> tuple[Derivation, str]:
+    """The derivation and how it was made: "watched" (no read) or "read"."""
+    watched, read = source.served_watched, source.read_on_request
+    derived = await step
+    assert (source.served_watched - watched) + (source.read_on_request - read) == 1
+    return derived, "watched" if source.served_watched > watched else "read"
+
+
+async def test_a_request_naming_its_seq_is_answered_without_a_read_once_the_watch_is_confirmed(
+    log: SessionLog, source: StreamSource
+) -> None:
+    writer = await log.create(new_session_id("tail"))
+    try:
+        seq = await user_turn(writer, "one")
+        first, how = await counted(source, source.derive(writer.session_id, seq))
+        assert how == "read" and same(first, writer)
+        # The watch is not confirmed until a read that began after its subscription is over.
+        _, how = await counted(source, source.derive(writer.session_id, seq))
+        assert how == "read"
+        await settled(source, writer.session_id)
+        again, how = await counted(source, source.derive(writer.session_id, seq))
+        assert how == "watched" and same(again, writer)
+        # Without a seq the caller claims nothing: the tail is read.
+        _, how = await counted(source, source.derive(writer.session_id, None))
+        assert how == "read"
+    finally:
+        await writer.close()
+
+
+async def test_records_flushed_between_requests_are_read_ahead_and_always_reflected(
+    log: SessionLog, source: StreamSource
+) -> None:
+    writer = await log.create(new_session_id("tail"))
+    try:
+        await source.derive(writer.session_id, await user_turn(writer, "one"))
+        await settled(source, writer.session_id)
+        ways = []
+        for text in ("two", "three", "four"):
+            # Asked at once after the flush: whichever way it is made, it holds what the caller flushed.
+            seq = await user_turn(writer, text)
+            derived, how = await counted(source, source.derive(writer.session_id, seq))
+            assert same(derived, writer), f"after {text!r} ({how})"
+            await settled(source, writer.session_id)
+            # Asked once the read ahead is over: no read on the request's path.
+            derived, how = await counted(source, source.derive(writer.session_id, seq))
+            assert same(derived, writer)
+            ways.append(how)
+        assert ways == ["watched"] * 3
+        assert source.tails is not None and source.tails.reads_ahead >= 4
+    finally:
+        await writer.close()
+
+
+async def test_a_record_the_stream_refuses_is_never_taken_and_only_makes_the_gateway_read(
+    log: SessionLog, source: StreamSource
+) -> None:
+    writer = await log.create(new_session_id("tail"))
+    try:
+        seq = await user_turn(writer, "one")
+        await source.derive(writer.session_id, seq)
+        await settled(source, writer.session_id)
+        # A fenced writer's record: it announces seqs beyond the log and the stream refuses it.
+        forged = b'[{"type":"user/message","data":{}}]'
+        headers = {H_FORMAT: FORMAT, H_FIRST_SEQ: str(seq + 1), H_COUNT: "1", H_EXPECTED_LAST_SUBJECT_SEQ: "1"}
+        with pytest.raises(nats.js.errors.APIError):
+            await log.js.publish(in_subject(writer.session_id), forged, headers=headers)
+        tails = source.tails
+        assert tails is not None
+        await until(lambda: tails.announced(writer.session_id) == seq + 1, "the hint arrives")
+        derived, how = await counted(source, source.derive(writer.session_id, seq))
+        assert how == "read", "a seq was announced beyond what is held"
+        assert same(derived, writer), "the refused record is not in the derivation"
+        # The log grows past the announcement: the session is answered without reads again.
+        seq = await user_turn(writer, "two")
+        await settled(source, writer.session_id)
+        derived, how = await counted(source, source.derive(writer.session_id, seq))
+        assert how == "watched" and same(derived, writer)
+    finally:
+        await writer.close()
+
+
+async def test_a_seq_beyond_the_log_is_waited_for_and_refused_as_before(log: SessionLog, source: StreamSource) -> None:
+    writer = await log.create(new_session_id("tail"))
+    try:
+        seq = await user_turn(writer, "one")
+        await source.derive(writer.session_id, seq)
+        await settled(source, writer.session_id)
+        short = StreamSource(log, wait_s=0.2)
+        try:
+            await short.derive(writer.session_id, seq)
+            with pytest.raises(Exception) as refused:
+                await short.derive(writer.session_id, seq + 5)
+            assert getattr(refused.value, "code", None) == "DERIVATION_DIVERGES"
+        finally:
+            await short.close()
+    finally:
+        await writer.close()
+
+
+async def test_a_session_dropped_from_the_cache_is_no_longer_watched(log: SessionLog) -> None:
+    source = StreamSource(log, wait_s=1.0, max_sessions=1)
+    writers = [await log.create(new_session_id("tail")) for _ in range(2)]
+    try:
+        for writer in writers:
+            await source.derive(writer.session_id, await user_turn(writer, "one"))
+        tails = source.tails
+        assert tails is not None
+        assert writers[0].session_id not in tails and writers[1].session_id in tails and len(tails) == 1
+        # Held again later, it is read and watched again.
+        derived, how = await counted(source, source.derive(writers[0].session_id, writers[0].durable_seq))
+        assert how == "read" and same(derived, writers[0]) and writers[0].session_id in tails
+    finally:
+        for writer in writers:
+            await writer.close()
+        await source.close()
+
+
+async def test_a_reconnect_withdraws_every_confirmation_until_a_read_after_it(fresh_server: EmbeddedServer) -> None:
+    opened = await SessionLog.connect(log_settings(fresh_server.url))
+    source = StreamSource(opened, wait_s=WAIT_S)
+    writer = await opened.create(new_session_id("tail"))
+    try:
+        seq = await user_turn(writer, "one")
+        await source.derive(writer.session_id, seq)
+        await settled(source, writer.session_id)
+        _, how = await counted(source, source.derive(writer.session_id, seq))
+        assert how == "watched"
+        reconnects = opened.nc.stats["reconnects"]
+        await asyncio.to_thread(fresh_server.restart)
+        await until(lambda: opened.nc.stats["reconnects"] > reconnects and opened.nc.is_connected, "a reconnect")
+        derived, how = await counted(source, source.derive(writer.session_id, seq))
+        assert how == "read", "hints may have been lost while the connection was down"
+        assert same(derived, writer)
+        await settled(source, writer.session_id)
+        _, how = await counted(source, source.derive(writer.session_id, seq))
+        assert how == "watched"
+    finally:
+        await bounded(writer.close())
+        await source.close()
+        await bounded(opened.close())

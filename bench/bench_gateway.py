@@ -10,7 +10,9 @@ check), measured in-process on the same request body with the gateway's code; `g
 the gateway's own metrics saw. `check` is the parse and canonical compare alone (with the session's cache warm),
 `check_next_request` the same for an agent's next, one message longer request, `check_cold_cache` for a session
 the gateway holds no cache for. Goals: overhead p99 under 2 ms at 100 messages; check at most 3x one decode of the
-body at every size.
+body at every size. The interleaved rounds repeat one request, so the gateway holds its session and answers
+without reading the tail (`derivations`: by source); `agent_rounds` is the agent's own pattern, where the session
+grows and is flushed before every request and the gateway reads the new records ahead of it.
 
 Record mode (`record`, issue 13; `BENCH_GATEWAY_RECORD=0` leaves it out): an OpenAI-shaped client that knows
 nothing of the log talks to `/record/{session}/v1`, echoing each answer in its next request as a real client does
@@ -143,7 +145,8 @@ def decode_ms(body: bytes) -> float:
 
 
 async def gateway_sums(client: httpx.AsyncClient, metrics_url: str) -> dict[str, float]:
-    """Sums and counts of the gateway's own histograms (its /metrics), to take differences around a run."""
+    """Sums and counts of the gateway's own histograms, and its derivations by source (its /metrics), to take
+    differences around a run."""
     text = (await client.get(metrics_url)).text
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -152,7 +155,56 @@ async def gateway_sums(client: httpx.AsyncClient, metrics_url: str) -> dict[str,
                 key = f"sessionlog_gateway_{name}_{part} "
                 if line.startswith(key):
                     out[f"{name}_{part}"] = float(line[len(key) :])
+        prefix = 'sessionlog_gateway_derivations_total{source="'
+        if line.startswith(prefix):
+            source, _, value = line[len(prefix) :].partition('"} ')
+            out[f"derived_{source}"] = float(value)
     return out
+
+
+def derived_by(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """Derivations by source between two `gateway_sums`."""
+    names = {k for k in after if k.startswith("derived_")}
+    return {k.removeprefix("derived_"): int(after[k] - before.get(k, 0.0)) for k in sorted(names)}
+
+
+async def agent_rounds(
+    client: httpx.AsyncClient, writer: Any, urls: tuple[str, str, str], metrics_url: str, rounds: int
+) -> dict[str, Any]:
+    """Check mode as an agent uses it: before each request the session grows (the turn closed, a new one opened
+    with a user message and a step), is flushed, and the request names that seq. Direct, gateway and pass-through
+    (`urls`, in that order) alternate on the same body; the gateway's derivations by source say how many requests
+    it answered without a read."""
+    provider_url, gateway_url, hop_url = urls
+    direct, gateway, hop = [], [], []
+    before = await gateway_sums(client, metrics_url)
+    for _ in range(rounds):
+        turn = writer.session.last_turn
+        await writer.emit("step/end", {"turn": turn, "step": writer.session.open_step.number})
+        await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}})
+        await writer.emit("turn/start", {"turn": turn + 1})
+        text = [{"type": "text", "text": "q" * 80}]
+        message = {"id": f"u{turn + 1}", "role": "user", "source": {"kind": "user"}, "content": text}
+        await writer.emit("user/message", message, surface_op="append")
+        await writer.emit("step/start", {"turn": turn + 1, "step": 1})
+        seq = await writer.flush()
+        session = writer.session
+        header = session.fold_request_header()
+        body = msgspec.json.encode({**to_wire(session.derive_messages(), header), "stream": True})
+        headers = {"X-Session-Id": writer.session_id, "X-Session-Seq": str(seq), "content-type": "application/json"}
+        direct.append(await ttfb(client, provider_url, body, headers))
+        gateway.append(await ttfb(client, gateway_url, body, headers))
+        hop.append(await ttfb(client, hop_url, body, headers))
+    after = await gateway_sums(client, metrics_url)
+    d, g, h = summary(direct), summary(gateway), summary(hop)
+    return {
+        "direct_ttfb_ms": d,
+        "gateway_ttfb_ms": g,
+        "passthrough_ttfb_ms": h,
+        "overhead_ms": {"p50": round(g["p50"] - d["p50"], 4), "p99": round(g["p99"] - d["p99"], 4)},
+        "gateway_minus_passthrough_ms": {"p50": round(g["p50"] - h["p50"], 4), "p99": round(g["p99"] - h["p99"], 4)},
+        "derivations": derived_by(before, after),
+    }
 
 
 def mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> float:
@@ -194,8 +246,10 @@ async def measure(
             for name, (url, extra) in proxies.items():
                 hops[name].append(await ttfb(client, url, body, {**headers, **extra}))
         after = await gateway_sums(client, metrics_url)
+        urls = (provider_url, gateway_url, proxies["passthrough"][0])
+        agent = await agent_rounds(client, writer, urls, metrics_url, ROUNDS[size] // 2)
     # The gateway's own work before forwarding, with its code, in this process: tail read + parse + check.
-    source = StreamSource(log)
+    source = StreamSource(log, watch=False)  # the tail read on the request's path, as without a watched session
     cache = WireCache()
     await source.derive(session_id, seq)
     invariant = []
@@ -240,6 +294,8 @@ async def measure(
         "overhead_ms": overhead,
         "proxies": others,
         "cold_first_request_ttfb_ms": round(cold, 3),
+        "derivations": derived_by(before, after),
+        "agent_rounds": agent,
         "gateway_side_mean_ms": {
             "invariant": mean_ms(before, after, "invariant_seconds"),
             "upstream_first_byte": mean_ms(before, after, "upstream_first_byte_seconds"),
@@ -538,7 +594,10 @@ def main() -> dict[str, object]:
         "check = parse + canonical compare (the 3x-decode goal) of the benchmark's request with the session's cache "
         "warm; check_next_request = an agent's next request, one message longer than the one the cache saw; "
         "check_cold_cache = a session the gateway has no cache for. invariant = check + the stream tail read (one "
-        "NATS round trip). All with the gateway's code in this process. The raw tee runs after each response.",
+        "NATS round trip: a request that does not name its seq, or a session not watched). All with the gateway's "
+        "code in this process. The raw tee runs after each response. derivations = the gateway's derivations by "
+        "source (watched: answered without a read). agent_rounds = check mode as an agent uses it: the session "
+        "grows and is flushed before each request, alternating direct, gateway and pass-through.",
     }
 
 

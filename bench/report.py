@@ -21,6 +21,11 @@ def _row(goal: str, target: str, figure: float | None, ok: bool | None, source: 
     return {"goal": goal, "target": target, "figure": figure, "met": ok, "source": source, "note": note}
 
 
+def _sources(derivations: dict[str, int] | None) -> str:
+    """A gateway's derivations by source, as a note ("watched 199, stream 1")."""
+    return ", ".join(f"{k} {n}" for k, n in (derivations or {}).items() if n)
+
+
 def _judge(value: float | None, test: Any) -> bool | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else bool(test(value))
 
@@ -67,6 +72,13 @@ def goals(r: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(_row("gateway p99 minus pass-through proxy p99, 100 messages", "<= 1 ms", v,
                          _judge(v, lambda x: x <= 1.0), "bench_gateway",
                          ", ".join(f"{k}: {x:.2f}" for k, x in diffs.items() if x is not None)))  # fmt: skip
+        v = get(sizes, "100.agent_rounds.overhead_ms.p99")
+        rows.append(_row("gateway overhead p99 at 100 messages, agent rounds (check mode)", "< 2 ms", v,
+                         _judge(v, lambda x: x < 2.0), "bench_gateway",
+                         _sources(get(sizes, "100.agent_rounds.derivations"))))  # fmt: skip
+        v = get(sizes, "100.agent_rounds.gateway_minus_passthrough_ms.p99")
+        rows.append(_row("agent rounds: gateway p99 minus pass-through p99, 100 messages", "<= 1 ms", v,
+                         _judge(v, lambda x: x <= 1.0), "bench_gateway"))  # fmt: skip
     record = get(r, "bench_gateway.record") or {}
     if "100" in record:
         for q, limit in (("p50", 2.0), ("p99", 5.0)):

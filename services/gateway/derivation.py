@@ -61,7 +61,7 @@ class Derivation:
     header: FoldedHeader | None
     open_step: tuple[int, int] | None  # (turn, step), None when no step is open
     generation: int
-    source: str  # "stream" or "context-deriver"
+    source: str  # "stream" (read now), "watched" (held, nothing newer announced: no read) or "context-deriver"
 
 
 class DerivationSource(Protocol):
@@ -115,7 +115,7 @@ class StreamSource:
         if held is not None and self._fresh(held, min_seq):
             self.served_watched += 1
             self._sessions.states.touch(session_id)
-            return _derivation(session_id, held.session)
+            return _derivation(session_id, held.session, "watched")
         if held is None and await self._log.header(session_id) is None:
             raise SessionNotFound(f"session {session_id} not found")
         started = time.monotonic()
@@ -147,7 +147,7 @@ class StreamSource:
             await self.tails.close()
 
 
-def _derivation(session_id: str, session: Session) -> Derivation:
+def _derivation(session_id: str, session: Session, source: str = "stream") -> Derivation:
     step = session.open_step
     return Derivation(
         session_id=session_id,
@@ -156,7 +156,7 @@ def _derivation(session_id: str, session: Session) -> Derivation:
         header=session.fold_request_header(),
         open_step=(session.open_turn or 0, step.number) if step is not None else None,
         generation=session.generation,
-        source="stream",
+        source=source,
     )
 
 

@@ -246,8 +246,6 @@ async def measure(
             for name, (url, extra) in proxies.items():
                 hops[name].append(await ttfb(client, url, body, {**headers, **extra}))
         after = await gateway_sums(client, metrics_url)
-        urls = (provider_url, gateway_url, proxies["passthrough"][0])
-        agent = await agent_rounds(client, writer, urls, metrics_url, ROUNDS[size] // 2)
     # The gateway's own work before forwarding, with its code, in this process: tail read + parse + check.
     source = StreamSource(log, watch=False)  # the tail read on the request's path, as without a watched session
     cache = WireCache()
@@ -271,6 +269,10 @@ async def measure(
         check_next += timed_checks(1, body_longer, longer, header_, cache)
     # check_cold: the first request of a session the gateway has no cache for (e.g. after a restart).
     check_cold = [timed_checks(1, body, messages, header, WireCache())[0] for _ in range(min(ROUNDS[size], 30))]
+    # Last, as it grows the session: check mode as an agent uses it.
+    async with httpx.AsyncClient(timeout=60) as client:
+        urls = (provider_url, gateway_url, proxies["passthrough"][0])
+        agent = await agent_rounds(client, writer, urls, metrics_url, ROUNDS[size] // 2)
     await writer.close()
     decode = decode_ms(body)
     d, g = summary(direct), summary(gateway)

@@ -36,6 +36,7 @@ import yaml
 from nats.aio.client import Client
 from sessiongen import closed_turn, user_message_data
 
+from services.gateway.derivation import StreamSource
 from services.stack import SERVICES, Stack
 from sessionlog.embedded import ClusterOptions, EmbeddedServer, find_server_binary, free_port
 from sessionlog.events import encode_new_event
@@ -869,6 +870,69 @@ async def test_the_context_deriver_serves_derivations_under_its_own_user(
         await gateway_nc.close()
     assert await checkpoints(admin, "context-deriver")
     assert violations(single, "context-deriver", since=mark) == [] and violations(single, "gateway", since=mark) == []
+
+
+async def watched_or_read(source: StreamSource, session_id: str, seq: int) -> str:
+    """How the source answered a request naming `seq`: "watched" (no read of the tail) or "stream" (read)."""
+    derived = await source.derive(session_id, seq)
+    assert derived.seq >= seq
+    return derived.source
+
+
+async def until_settled(source: StreamSource, session_id: str) -> None:
+    tails = source.tails
+    assert tails is not None
+    deadline = time.monotonic() + WAIT_S
+    while not tails.settled(session_id):
+        assert time.monotonic() < deadline, "the gateway's watch of the session was not confirmed"
+        await asyncio.sleep(0.02)
+
+
+@on_module_loop
+async def test_the_gateway_watches_the_sessions_it_checks_under_its_own_user(
+    single: EmbeddedServer, admin: SessionLog, writer_log: SessionLog
+) -> None:
+    mark = log_mark(single)
+    writer = await writer_log.create(new_id("watch"))
+    gateway = await SessionLog.connect(role_settings(single.url, "gateway"))
+    source = StreamSource(gateway, wait_s=2.0)
+    try:
+        await closed_turn(writer, "first")
+        seq = await writer.flush()
+        assert await watched_or_read(source, writer.session_id, seq) == "stream"
+        await until_settled(source, writer.session_id)
+        assert await watched_or_read(source, writer.session_id, seq) == "watched"
+        await closed_turn(writer, "second")
+        seq = await writer.flush()  # announced to the gateway, read ahead
+        await until_settled(source, writer.session_id)
+        assert await watched_or_read(source, writer.session_id, seq) == "watched"
+    finally:
+        await source.close()
+        await gateway.close()
+        await writer.close()
+    assert violations(single, "gateway", since=mark) == []
+
+
+@on_module_loop
+async def test_a_user_that_may_not_subscribe_to_the_writers_subject_reads_the_tail_every_time(
+    single: EmbeddedServer, admin: SessionLog, writer_log: SessionLog
+) -> None:
+    writer = await writer_log.create(new_id("nowatch"))
+    reader = await SessionLog.connect(role_settings(single.url, "context-deriver"))  # reads the log, no such grant
+    source = StreamSource(reader, wait_s=2.0)
+    try:
+        await closed_turn(writer, "first")
+        seq = await writer.flush()
+        assert await watched_or_read(source, writer.session_id, seq) == "stream"
+        await wait_for_violation(single, "context-deriver", "Subscription", in_subject(writer.session_id))
+        await asyncio.sleep(0.2)  # the confirming read is over
+        assert source.tails is not None and not source.tails.enabled
+        for _ in range(3):
+            assert await watched_or_read(source, writer.session_id, seq) == "stream"
+    finally:
+        await source.close()
+        await reader.close()
+        await writer.close()
 
 
 @on_module_loop

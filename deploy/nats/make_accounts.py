@@ -250,6 +250,8 @@ def role_permissions(role: str, partitions: int) -> Permissions | None:
         session_leases(p)
         p.publish("record mode: ask the replica holding a session to let go of it", f"{RELEASE}*")
         p.subscribe("record mode: another replica asks for a session this one holds", f"{RELEASE}*")
+        p.subscribe("check mode: hear of records appended to the sessions it checks, to read their tails ahead",
+                    "sessionlog.in.*")  # fmt: skip
         p.deny_pub += ["sessionlog.events.>", f"$KV.{KV_CHECKPOINTS}.>"]
     else:
         raise ValueError(f"unknown role {role!r}")

@@ -15,7 +15,11 @@ A session held at next seq `n` may then answer a request without a read (`fresh`
 - the watch was *confirmed*: a read that began after the subscription was in place has completed, so a record
   published before the subscription is held or announced, on the connection as it is now (a reconnect can drop
   hints: the epoch is the connection's reconnect count, and a reconnect withdraws every confirmation);
-- the connection is up.
+- the connection is up;
+- the gateway may subscribe there: a NATS user without that permission (`deploy/nats` grants it) gets the
+  server's permissions violation, which arrives before the reply to the confirming read, so no watch is ever
+  confirmed and every request reads the tail, as it would without the watch (a warning says so once). A
+  connection not made by `sessionlog.connection.connect` cannot report that, so it is not watched at all.
 
 Whatever is served was read from the stream, so it is always a durable prefix of the log that holds the caller's
 seq; a record beyond the caller's seq that no hint announced yet (a writer on another server racing the request)
@@ -33,6 +37,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from sessionlog.connection import on_error
 from sessionlog.record import H_COUNT, H_FIRST_SEQ, in_subject
 
 log = logging.getLogger("sessionlog.gateway")
@@ -54,6 +59,21 @@ class TailWatch:
         self._reading: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()  # a hint arrived while a read was in flight
         self.reads_ahead = 0
+        # Off when the connection cannot tell us that a subscription was refused, or when one was.
+        self.enabled = on_error(nc, self._on_error)
+        if not self.enabled:
+            log.info("the gateway's NATS connection cannot report refused subscriptions: sessions are not watched")
+
+    def _on_error(self, err: Exception) -> None:
+        text = str(err).lower()
+        if self.enabled and "permissions violation for subscription" in text and '"sessionlog.in.' in text:
+            self.enabled = False
+            self._confirmed.clear()
+            log.warning(
+                "the gateway may not subscribe to %s: check mode reads the log's tail before every request "
+                "(grant it the subscription, as deploy/nats does)",
+                in_subject("*"),
+            )
 
     def _epoch(self) -> int:
         reconnects: int = self._nc.stats["reconnects"]
@@ -68,7 +88,8 @@ class TailWatch:
     def fresh(self, session_id: str, next_seq: int, min_seq: int) -> bool:
         """May a state holding every seq below `next_seq` answer a caller that flushed `min_seq`, without a read?"""
         return (
-            min_seq < next_seq
+            self.enabled
+            and min_seq < next_seq
             and self._published.get(session_id, -1) < next_seq
             and self._confirmed.get(session_id) == self._epoch()
             and self._nc.is_connected
@@ -84,6 +105,8 @@ class TailWatch:
 
     async def watch(self, session_id: str) -> None:
         """Subscribe to the session's hints (once) and confirm the watch with a read in the background."""
+        if not self.enabled:
+            return
         if session_id in self._subs:
             if self._confirmed.get(session_id) != self._epoch():
                 self._read_ahead(session_id)  # after a reconnect: confirm again
@@ -135,7 +158,7 @@ class TailWatch:
             if session_id not in self._subs:
                 return
             self._held[session_id] = held
-            if epoch == self._epoch():
+            if epoch == self._epoch() and self.enabled:  # a refused subscription's error came before this reply
                 self._confirmed[session_id] = epoch
             behind = self._published.get(session_id, -1) >= held
             if session_id not in self._again and not (behind and held > before):

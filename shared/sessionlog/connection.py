@@ -12,6 +12,8 @@ import asyncio
 import logging
 import ssl
 import threading
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,22 @@ _INITIAL_CONNECT_ATTEMPTS = 1
 
 _EMBEDDED: dict[tuple[int, Path], EmbeddedServer] = {}
 _EMBEDDED_LOCK = threading.Lock()
+
+
+# Per connection made by `connect`: who else hears its asynchronous errors (`on_error`).
+_LISTENERS: weakref.WeakKeyDictionary[Client, list[Callable[[Exception], None]]] = weakref.WeakKeyDictionary()
+
+
+def on_error(nc: Client, listener: Callable[[Exception], None]) -> bool:
+    """Have `listener` called (synchronously, before the connection's own handling) with every asynchronous error
+    the server reports on `nc`, a permissions violation for instance: the error arrives in order with the
+    connection's other traffic, so a reply that comes after it finds the listener called. False when `nc` was not
+    made by `connect` (nothing would call the listener)."""
+    listeners = _LISTENERS.get(nc)
+    if listeners is None:
+        return False
+    listeners.append(listener)
+    return True
 
 
 def embedded_store_dir(settings: Settings) -> Path:
@@ -116,9 +134,12 @@ async def connect(settings: Settings | None = None, *, name: str = "sessionlog",
     user_error_cb = overrides.pop("error_cb", None)
     last_error: list[BaseException] = []
     nc_connected = False
+    made: list[Client] = []
 
     async def error_cb(err: Exception) -> None:
         last_error[:] = [err]
+        for listener in _LISTENERS.get(made[0], ()) if made else ():
+            listener(err)
         if user_error_cb is not None:
             await user_error_cb(err)
         else:
@@ -141,6 +162,8 @@ async def connect(settings: Settings | None = None, *, name: str = "sessionlog",
             f"cannot connect to NATS at {', '.join(servers)}: {cause or type(cause).__name__}"
         ) from cause
     nc_connected = True
+    _LISTENERS[nc] = []
+    made.append(nc)
     # nats-py reads this option on every reconnect, so the bounded first attempt does not bound later ones.
     nc.options["max_reconnect_attempts"] = reconnect_attempts
     try:

@@ -94,3 +94,30 @@ def test_the_quick_run_writes_every_section_with_numbers(tmp_path: Path) -> None
     assert doc["bench_stores"]["naive"]["originals_lost"] > 0
     agent = doc["bench_stores"]["sessionlog_agent"]
     assert agent["messages_readable_after"] == agent["messages_written"]
+
+
+def _fleet_samples(times_and_lags: list[tuple[float, float]]) -> list[dict[str, Any]]:
+    from bench.bench_fleet import PARTITIONS, PROJECTIONS
+
+    owners = {p: {"0": list(range(PARTITIONS))} for p in PROJECTIONS}
+    return [{"t": t, "lag_s": {p: [lag] * PARTITIONS for p in PROJECTIONS}, "owners": owners}
+            for t, lag in times_and_lags]  # fmt: skip
+
+
+def test_the_fleet_judges_recovery_on_samples_further_apart_than_a_second() -> None:
+    """On a cluster a sample can take longer than a second: the lag is back once it stays under the threshold from
+    one sample through the first sample a second or more later (a window of one sample used to never count)."""
+    from bench.bench_fleet import PROJECTIONS, analyse
+
+    before = [(t * 1.5, 0.3) for t in range(10)]  # threshold 0.3, samples 1.5 s apart
+    after = [(16.0, 2.0), (17.5, 4.0), (19.0, 0.2), (20.5, 0.25), (22.0, 0.1), (23.5, 0.2)]
+    result = analyse(PROJECTIONS[0], _fleet_samples(before + after), {"kill": 15.0})
+    assert result["takeover_s"] == 1.0
+    assert result["recovered_after_takeover_s"] == 3.0  # from 19.0 (taken at 16.0)
+    # Back over the threshold within the second after: not yet recovered there.
+    bumpy = [(16.0, 2.0), (19.0, 0.2), (19.6, 0.9), (20.1, 0.2), (21.5, 0.2)]
+    result = analyse(PROJECTIONS[0], _fleet_samples(before + bumpy), {"kill": 15.0})
+    assert result["recovered_after_takeover_s"] == pytest.approx(4.1)
+    # Never a second under the threshold before the end: not recovered.
+    result = analyse(PROJECTIONS[0], _fleet_samples(before + [(16.0, 2.0), (17.5, 0.2)]), {"kill": 15.0})
+    assert result["recovered_after_takeover_s"] is None

@@ -119,5 +119,5 @@ def test_the_fleet_judges_recovery_on_samples_further_apart_than_a_second() -> N
     result = analyse(PROJECTIONS[0], _fleet_samples(before + bumpy), {"kill": 15.0})
     assert result["recovered_after_takeover_s"] == pytest.approx(4.1)
     # Never a second under the threshold before the end: not recovered.
-    result = analyse(PROJECTIONS[0], _fleet_samples(before + [(16.0, 2.0), (17.5, 0.2)]), {"kill": 15.0})
+    result = analyse(PROJECTIONS[0], _fleet_samples([*before, (16.0, 2.0), (17.5, 0.2)]), {"kill": 15.0})
     assert result["recovered_after_takeover_s"] is None

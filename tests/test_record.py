@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -1001,3 +1002,32 @@ async def test_a_refused_first_request_creates_no_session(
     provider.load([{"text": "first"}])  # and the session can still be created by a good first request
     good = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
     assert (await complete(http, gateway, sid, good)).status_code == 200
+
+
+async def test_a_streamed_answers_chunks_are_logged_in_records_of_the_record_window(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    """A streamed answer's chunks are batched over `SESSIONLOG_GATEWAY_RECORD_WINDOW_MS` (20 ms) rather than the
+    writers' 2 ms: one record per piece of the answer cost the machine a NATS message, a store and an ack each, and
+    made the pieces reach the client later than through the gateway without logging. The end is flushed at once."""
+    sid = new_session_id("rec")
+    words = " ".join(f"w{i}" for i in range(40))
+    provider.load([{"text": words, "chunk_delay_s": 0.004}])
+    body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "Count"}]}
+    started = time.monotonic()
+    async with http.stream("POST", base(gateway, sid) + "/chat/completions", content=msgspec.json.encode(body)) as r:
+        assert r.status_code == 200
+        first = last = 0.0
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                last = time.monotonic()
+                first = first or last
+    assert last - first > 0.1, "the answer streamed over its pieces' delays"
+    records = await log.reader.records(sid)
+    with_chunks = [r for r in records if any(b'"assistant/chunk"' in raw for raw in r.events)]
+    chunks = sum(raw.count(b'"assistant/chunk"') for r in records for raw in r.events)
+    assert chunks >= 40
+    # At most one record per window while the answer streamed, and two more for a window cut at each end.
+    assert len(with_chunks) <= (last - started) / 0.02 + 2, f"{len(with_chunks)} records over {last - started:.3f}s"
+    session = await load(log, sid)
+    assert types(session)[-2:] == ["step/end", "turn/end"]

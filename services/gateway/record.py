@@ -97,6 +97,7 @@ class Recorder:
         self.gateway = gateway
         settings = gateway.settings
         self.idle_s = settings.gateway_record_idle_s
+        self.window_ms = settings.gateway_record_window_ms
         self.planner = Planner(history_edits=settings.gateway_history_edits, provider=gateway.record_provider)
         self._held: dict[str, _Held] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -249,6 +250,8 @@ class Recorder:
                     if _tenant_of(header) != held.tenant:
                         raise SessionNotFound(f"session {session_id} not found")
                     held.writer = await log_.open(session_id, continue_open_turn=True)
+                # What is not flushed is an answer's chunks: batched (the request and the end are flushed at once).
+                held.writer.window_ms = self.window_ms
                 return held.writer
             except SessionAlreadyExists:
                 continue  # another replica created it in between: open it

@@ -247,6 +247,13 @@ class Settings(BaseSettings):
         description="File of gateway API keys of tenants: one `TENANT SHA256_HEX_OF_KEY` per line (`#` comments); "
         "read with `SESSIONLOG_GATEWAY_KEYS`.",
     )
+    gateway_record_window_ms: float = Field(
+        default=20.0,
+        ge=0,
+        description="Gateway record mode: the write-behind window of a streamed answer's chunks (one record per "
+        "window instead of one per piece). A gateway that dies mid-answer loses at most this much of the chunks the "
+        "client was sent; the request and the end of the answer are flushed at once.",
+    )
     gateway_record_idle_s: float = Field(
         default=300.0,
         gt=0,

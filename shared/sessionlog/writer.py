@@ -96,6 +96,17 @@ class SessionWriter:
         return self._last_stream_seq
 
     @property
+    def window_ms(self) -> float:
+        """The write-behind window: events queued within it (and not flushed) publish as one record."""
+        return self._window * 1000
+
+    @window_ms.setter
+    def window_ms(self, value: float) -> None:
+        if value < 0:
+            raise ValueError(f"a write window is not negative, got {value}")
+        self._window = value / 1000
+
+    @property
     def lease(self) -> LeaseKeeper:
         """The lease this writer holds (tests stop its refreshes to play a stalled process)."""
         return self._lease

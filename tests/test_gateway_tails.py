@@ -17,6 +17,7 @@ import pytest_asyncio
 from natsfixtures import bounded, log_settings, new_session_id
 from sessiongen import user_message_data
 
+from services.gateway import tails
 from services.gateway.derivation import Derivation, StreamSource
 from sessionlog.embedded import EmbeddedServer
 from sessionlog.log import SessionLog, SessionWriter
@@ -87,10 +88,8 @@ def same(derived: Derivation, writer: SessionWriter) -> bool:
 
 async def counted(source: StreamSource, step: Awaitable[Derivation]) -> tuple[Derivation, str]:
     """The derivation and how it was made: "watched" (no read) or "read"."""
-    watched, read = source.served_watched, source.read_on_request
     derived = await step
-    assert (source.served_watched - watched) + (source.read_on_request - read) == 1
-    return derived, "watched" if source.served_watched > watched else "read"
+    return derived, "watched" if derived.source == "watched" else "read"
 
 
 async def test_a_request_naming_its_seq_is_answered_without_a_read_once_the_watch_is_confirmed(
@@ -133,7 +132,6 @@ async def test_records_flushed_between_requests_are_read_ahead_and_always_reflec
             assert same(derived, writer)
             ways.append(how)
         assert ways == ["watched"] * 3
-        assert source.tails is not None and source.tails.reads_ahead >= 4
     finally:
         await writer.close()
 
@@ -192,10 +190,10 @@ async def test_a_session_dropped_from_the_cache_is_no_longer_watched(log: Sessio
             await source.derive(writer.session_id, await user_turn(writer, "one"))
         tails = source.tails
         assert tails is not None
-        assert writers[0].session_id not in tails and writers[1].session_id in tails and len(tails) == 1
+        assert not tails.watching(writers[0].session_id) and tails.watching(writers[1].session_id)
         # Held again later, it is read and watched again.
         derived, how = await counted(source, source.derive(writers[0].session_id, writers[0].durable_seq))
-        assert how == "read" and same(derived, writers[0]) and writers[0].session_id in tails
+        assert how == "read" and same(derived, writers[0]) and tails.watching(writers[0].session_id)
     finally:
         for writer in writers:
             await writer.close()
@@ -225,3 +223,80 @@ async def test_a_reconnect_withdraws_every_confirmation_until_a_read_after_it(fr
         await bounded(writer.close())
         await source.close()
         await bounded(opened.close())
+
+
+async def test_a_watch_answers_only_shortly_after_the_read_that_confirmed_it(
+    log: SessionLog, source: StreamSource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record no hint announced (one accepted just before the subscription reached the server, a confirming read
+    answered by a follower that lags) is missed for at most `CONFIRMED_FOR_S`: after that the tail is read."""
+    monkeypatch.setattr(tails, "CONFIRMED_FOR_S", 0.3)
+    writer = await log.create(new_session_id("tail"))
+    try:
+        seq = await user_turn(writer, "one")
+        await source.derive(writer.session_id, seq)
+        await settled(source, writer.session_id)
+        _, how = await counted(source, source.derive(writer.session_id, seq))
+        assert how == "watched"
+        await asyncio.sleep(0.4)
+        _, how = await counted(source, source.derive(writer.session_id, seq))
+        assert how == "read", "the confirmation is older than CONFIRMED_FOR_S"
+        await settled(source, writer.session_id)  # that request's read confirmed it again
+        _, how = await counted(source, source.derive(writer.session_id, seq))
+        assert how == "watched"
+    finally:
+        await writer.close()
+
+
+async def test_a_session_purged_and_made_again_under_its_id_is_never_answered_from_the_erased_log(
+    fresh_server: EmbeddedServer,
+) -> None:
+    """The admin's purge notice makes the gateway forget the session at once; the log made again under its id is
+    read from the stream (a notice missed is the next test's case: the new log's hints do not continue the state)."""
+    opened = await SessionLog.connect(log_settings(fresh_server.url, allow_purge=True))
+    source = StreamSource(opened, wait_s=WAIT_S)
+    session_id = new_session_id("tail")
+    try:
+        writer = await opened.create(session_id)
+        await user_turn(writer, "one")
+        seq = await user_turn(writer, "two")
+        await writer.close()
+        await source.derive(session_id, seq)
+        await settled(source, session_id)
+        tails_ = source.tails
+        assert tails_ is not None and tails_.watching(session_id)
+        await opened.purge(session_id)
+        await until(lambda: not tails_.watching(session_id), "the purge notice reaches the gateway")
+        again = await opened.create(session_id)
+        try:
+            first = await user_turn(again, "made again")
+            derived, how = await counted(source, source.derive(session_id, first))
+            assert how == "read" and same(derived, again)
+        finally:
+            await again.close()
+    finally:
+        await source.close()
+        await bounded(opened.close())
+
+
+async def test_a_hint_that_does_not_continue_the_state_makes_the_gateway_read(
+    log: SessionLog, source: StreamSource
+) -> None:
+    """A record announcing seqs the gateway already holds (a session made again after a purge whose notice was
+    missed, a writer's retry) is no proof that nothing changed: the next request reads."""
+    writer = await log.create(new_session_id("tail"))
+    try:
+        seq = await user_turn(writer, "one")
+        await source.derive(writer.session_id, seq)
+        await settled(source, writer.session_id)
+        headers = {H_FORMAT: FORMAT, H_FIRST_SEQ: "0", H_COUNT: "1", H_EXPECTED_LAST_SUBJECT_SEQ: "1"}
+        with pytest.raises(nats.js.errors.APIError):
+            await log.js.publish(in_subject(writer.session_id), b'[{"type":"turn/start","data":{"turn":1}}]',
+                                 headers=headers)  # fmt: skip
+        tails_ = source.tails
+        assert tails_ is not None
+        await until(lambda: tails_.announced(writer.session_id) >= seq, "the hint arrives")
+        derived, how = await counted(source, source.derive(writer.session_id, seq))
+        assert how == "read" and same(derived, writer)
+    finally:
+        await writer.close()

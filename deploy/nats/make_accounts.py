@@ -252,6 +252,7 @@ def role_permissions(role: str, partitions: int) -> Permissions | None:
         p.subscribe("record mode: another replica asks for a session this one holds", f"{RELEASE}*")
         p.subscribe("check mode: hear of records appended to the sessions it checks, to read their tails ahead",
                     "sessionlog.in.*")  # fmt: skip
+        p.subscribe("erasure notices from the admin (`sessionlog purge`): forget the session", f"{PURGED}*")
         p.deny_pub += ["sessionlog.events.>", f"$KV.{KV_CHECKPOINTS}.>"]
     else:
         raise ValueError(f"unknown role {role!r}")

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, Protocol
+from typing import Any, ClassVar, Final, Literal, Protocol
 
 import msgspec
 from nats.aio.client import Client
@@ -51,6 +51,11 @@ DERIVE_SUBJECT: Final = DERIVE.subject
 _SKIP_S: Final = 60.0
 
 
+# Where a derivation came from: the stream read now, a watched session held with nothing newer announced (no
+# read), the context-deriver, or record mode's own writer.
+SourceName = Literal["stream", "watched", "context-deriver", "record"]
+
+
 @dataclass(frozen=True, slots=True)
 class Derivation:
     """The durable log's model-visible state at dispatch time."""
@@ -61,7 +66,7 @@ class Derivation:
     header: FoldedHeader | None
     open_step: tuple[int, int] | None  # (turn, step), None when no step is open
     generation: int
-    source: str  # "stream" (read now), "watched" (held, nothing newer announced: no read) or "context-deriver"
+    source: SourceName
 
 
 class DerivationSource(Protocol):
@@ -98,41 +103,36 @@ class StreamSource:
     runtime's session cache: its `session_at` catches a session up from the stream and waits for `min_seq`.
 
     With `watch` (the default), the sessions held are watched (`tails.TailWatch`): a request that names the seq
-    it flushed is answered without reading the tail when the session is known to hold it and nothing newer was
-    announced; records announced are read ahead, in the background. `served_watched` and `read_on_request` count
-    the two ways a derivation was made."""
+    it flushed is answered without reading the tail (source "watched") when the session is known to hold that seq
+    and nothing newer was announced; announced records are read ahead, in the background."""
 
     def __init__(self, log: SessionLog, *, wait_s: float = 5.0, max_sessions: int = 1024, watch: bool = True) -> None:
         self._log = log
         self._wait_s = wait_s
         self._sessions = SessionCache(log, _Logs(self._forgotten), max_sessions=max_sessions)
-        self.tails = TailWatch(log.nc, self._read) if watch else None
-        self.served_watched = 0
-        self.read_on_request = 0
+        self.tails = TailWatch(log.nc, self._read, self._sessions.purge) if watch else None
 
     async def derive(self, session_id: str, min_seq: int | None) -> Derivation:
-        held = self._sessions.states.get(session_id)
-        if held is not None and self._fresh(held, min_seq):
-            self.served_watched += 1
+        state = self._sessions.states.get(session_id)
+        if state is not None and self._fresh(state, min_seq):
             self._sessions.states.touch(session_id)
-            return _derivation(session_id, held.session, "watched")
-        if held is None and await self._log.header(session_id) is None:
+            return _derivation(session_id, state.session, "watched")
+        if state is None and await self._log.header(session_id) is None:
             raise SessionNotFound(f"session {session_id} not found")
         started = time.monotonic()
         try:
             state = await self._sessions.session_at(session_id, min_seq, self._wait_s)
         except NotReached as exc:
             raise _not_reached(session_id, exc.min_seq, exc.have, time.monotonic() - started) from None
-        self.read_on_request += 1
         if self.tails is not None and state is not None:
-            self.tails.held(session_id, state.next_seq)
+            self.tails.read_to(session_id, state.next_seq)
             await self.tails.watch(session_id)
-        return _derivation(session_id, state.session if state is not None else Session())
+        return _derivation(session_id, state.session if state is not None else Session(), "stream")
 
-    def _fresh(self, held: SessionLogState, min_seq: int | None) -> bool:
+    def _fresh(self, state: SessionLogState, min_seq: int | None) -> bool:
         if self.tails is None or min_seq is None:
             return False
-        return self.tails.fresh(held.session_id, held.next_seq, min_seq)
+        return self.tails.fresh(state.session_id, state.next_seq, min_seq)
 
     async def _read(self, session_id: str) -> int:
         state = await self._sessions.refresh(session_id)
@@ -147,7 +147,7 @@ class StreamSource:
             await self.tails.close()
 
 
-def _derivation(session_id: str, session: Session, source: str = "stream") -> Derivation:
+def _derivation(session_id: str, session: Session, source: SourceName) -> Derivation:
     step = session.open_step
     return Derivation(
         session_id=session_id,

@@ -165,6 +165,8 @@ class SessionCache(Generic[S]):
         task = self._loading.get(session_id)
         if task is not None:
             await asyncio.wait([task])
+            if self._loading.get(session_id) is task:  # its own clean-up has not run yet: not a read to share
+                del self._loading[session_id]
         return await self._current(session_id)
 
     def has_waiters(self, session_id: str) -> bool:

@@ -45,6 +45,7 @@ STOP_GRACE_S: Final = 5.0  # a graceful stop waits this long for the message in 
 RETRY_FIRST_S: Final = 0.5  # a consumer that failed starts again after this, doubling up to RETRY_MAX_S
 RETRY_MAX_S: Final = 10.0
 SILENT_S: Final = 3 * PULL_HEARTBEAT_S + 1.0  # no delivery nor heartbeat for this long: the feed is stalled
+SLOW_BURST_S: Final = 2.0  # a burst that takes this long to apply is logged (what it spent preparing, too)
 
 Apply = Callable[[Delivery], Awaitable[None]]
 Prepare = Callable[[list[Delivery]], Awaitable[None]]
@@ -214,11 +215,18 @@ class CheckpointedFeed:
             expires_s=PULL_EXPIRES_S,
             heartbeat_s=PULL_HEARTBEAT_S,
         )
+        created = time.monotonic()
         await feed.start()
         last_checkpoint = time.monotonic()
+        first = self.pending > 0  # the first delivery is awaited: how long it takes is worth a line when slow
         try:
             while not self.stopping:
                 burst = await feed.take(IDLE_WAKE_S)
+                if burst and first:
+                    first = False
+                    if (waited := time.monotonic() - created) >= SLOW_BURST_S:
+                        log.warning("%s: %s: the first delivery came %.1fs after the consumer was made",
+                                    self.checkpoints.projection, self.label, waited)  # fmt: skip
                 if burst:
                     self.applying = True
                     try:
@@ -245,7 +253,9 @@ class CheckpointedFeed:
 
     async def _apply_burst(self, burst: list[Delivery]) -> Delivery | None:
         """Apply the messages of a burst in order; the last one handled (to acknowledge), None when none was."""
+        started = time.monotonic()
         await self._prepare([item for item in burst if item.stream_seq > self.applied])
+        prepared = time.monotonic()
         done: Delivery | None = None
         for item in burst:
             if self.stopping:
@@ -255,6 +265,12 @@ class CheckpointedFeed:
                 self.applied = item.stream_seq
                 self.last_time = item.time_ns / 1e9
             done = item
+        took = time.monotonic() - started
+        if took >= SLOW_BURST_S:
+            log.warning(
+                "%s: %s: a burst of %d records took %.1fs (%.1fs preparing it)",
+                self.checkpoints.projection, self.label, len(burst), took, prepared - started,
+            )  # fmt: skip
         return done
 
     def _update_lag(self) -> None:

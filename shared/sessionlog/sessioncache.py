@@ -205,7 +205,14 @@ class SessionCache(Generic[S]):
             async with gate:
                 await self.load(session_id)
 
-        await asyncio.gather(*(one(s) for s in wanted[: self.states.max_size]), return_exceptions=True)
+        started = time.monotonic()
+        results = await asyncio.gather(*(one(s) for s in wanted[: self.states.max_size]), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            log.warning(
+                "%s: %d of %d sessions of a burst did not load in %.1fs (they load again as their records apply): %s",
+                self.projection.name, len(failed), len(results), time.monotonic() - started, reason(failed[0]),
+            )  # fmt: skip
 
     async def _shared(self, session_id: str, read: Callable[[str], Coroutine[Any, Any, S | None]]) -> S | None:
         task = self._loading.get(session_id)

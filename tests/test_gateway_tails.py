@@ -300,3 +300,24 @@ async def test_a_hint_that_does_not_continue_the_state_makes_the_gateway_read(
         assert how == "read" and same(derived, writer)
     finally:
         await writer.close()
+
+
+async def test_a_session_in_use_keeps_its_watch_confirmed_without_reads_on_the_requests_path(
+    log: SessionLog, source: StreamSource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Answered from its watch past half the confirmation's life, a session is read again in the background: a
+    session asked for more often than that never pays a read on a request's path because its confirmation aged."""
+    monkeypatch.setattr(tails, "CONFIRMED_FOR_S", 0.3)
+    writer = await log.create(new_session_id("tail"))
+    try:
+        seq = await user_turn(writer, "one")
+        await source.derive(writer.session_id, seq)
+        await settled(source, writer.session_id)
+        ways = []
+        for _ in range(12):  # 1.2 s: four times the confirmation's life
+            _, how = await counted(source, source.derive(writer.session_id, seq))
+            ways.append(how)
+            await asyncio.sleep(0.1)
+        assert ways == ["watched"] * 12
+    finally:
+        await writer.close()

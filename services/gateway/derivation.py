@@ -116,6 +116,8 @@ class StreamSource:
         state = self._sessions.states.get(session_id)
         if state is not None and self._fresh(state, min_seq):
             self._sessions.states.touch(session_id)
+            assert self.tails is not None
+            self.tails.served(session_id)
             return _derivation(session_id, state.session, "watched")
         if state is None and await self._log.header(session_id) is None:
             raise SessionNotFound(f"session {session_id} not found")

@@ -19,7 +19,8 @@ A session read up to next seq `n` may then answer a request without a read (`fre
   confirming read answered by a follower that lags; hints lost while a connection is half open. The bound on the
   confirmation's age bounds what such a miss costs: a record beyond the caller's seq that no hint announced is
   missed for at most `CONFIRMED_FOR_S`. A reconnect (the epoch is the connection's reconnect count) withdraws every
-  confirmation at once. An agent that writes before each request has its watch confirmed again by the read ahead;
+  confirmation at once. An agent that writes before each request has its watch confirmed again by the read ahead,
+  and a session answered from its watch past half the confirmation's life is read again in the background;
 - the connection is up;
 - the gateway may subscribe there: a NATS user without that permission (`deploy/nats` grants it) gets the
   server's permissions violation, which arrives before the reply to the confirming read, so no watch is confirmed;
@@ -97,6 +98,14 @@ class TailWatch:
             and time.monotonic() - confirmed[1] < CONFIRMED_FOR_S
             and self._nc.is_connected
         )
+
+    def served(self, session_id: str) -> None:
+        """A request was answered from the watch: a confirmation past half its life is renewed in the background,
+        so a session in use is never read on a request's path only because its confirmation aged."""
+        confirmed = self._confirmed.get(session_id)
+        aging = confirmed is not None and time.monotonic() - confirmed[1] >= CONFIRMED_FOR_S / 2
+        if aging and session_id not in self._reading:
+            self._read_ahead(session_id)
 
     def settled(self, session_id: str) -> bool:
         """The watch is confirmed on the connection as it is now, recently, and nothing is being read ahead."""

@@ -879,11 +879,11 @@ async def watched_or_read(source: StreamSource, session_id: str, seq: int) -> st
     return derived.source
 
 
-async def until_settled(source: StreamSource, session_id: str) -> None:
+async def until_settled(source: StreamSource, session_id: str, seq: int) -> None:
     tails = source.tails
     assert tails is not None
     deadline = time.monotonic() + WAIT_S
-    while not tails.settled(session_id):
+    while not tails.settled(session_id, seq):
         assert time.monotonic() < deadline, "the gateway's watch of the session was not confirmed"
         await asyncio.sleep(0.02)
 
@@ -900,11 +900,11 @@ async def test_the_gateway_watches_the_sessions_it_checks_under_its_own_user(
         await closed_turn(writer, "first")
         seq = await writer.flush()
         assert await watched_or_read(source, writer.session_id, seq) == "stream"
-        await until_settled(source, writer.session_id)
+        await until_settled(source, writer.session_id, seq)
         assert await watched_or_read(source, writer.session_id, seq) == "watched"
         await closed_turn(writer, "second")
         seq = await writer.flush()  # announced to the gateway, read ahead
-        await until_settled(source, writer.session_id)
+        await until_settled(source, writer.session_id, seq)
         assert await watched_or_read(source, writer.session_id, seq) == "watched"
     finally:
         await source.close()

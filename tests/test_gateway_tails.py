@@ -59,11 +59,11 @@ async def until(condition: Callable[[], bool], what: str) -> None:
     raise AssertionError(f"not within {WAIT_S}s: {what}")
 
 
-async def settled(source: StreamSource, session_id: str) -> None:
-    """Until the watch of the session is confirmed and nothing is being read ahead."""
+async def settled(source: StreamSource, session_id: str, seq: int) -> None:
+    """Until the watch of the session is confirmed, nothing is being read ahead and the last read holds `seq`."""
     tails = source.tails
     assert tails is not None
-    await until(lambda: tails.settled(session_id), "the watch settles")
+    await until(lambda: tails.settled(session_id, seq), "the watch settles")
 
 
 async def user_turn(writer: SessionWriter, text: str) -> int:
@@ -103,7 +103,7 @@ async def test_a_request_naming_its_seq_is_answered_without_a_read_once_the_watc
         # The watch is not confirmed until a read that began after its subscription is over.
         _, how = await counted(source, source.derive(writer.session_id, seq))
         assert how == "read"
-        await settled(source, writer.session_id)
+        await settled(source, writer.session_id, writer.durable_seq)
         again, how = await counted(source, source.derive(writer.session_id, seq))
         assert how == "watched" and same(again, writer)
         # Without a seq the caller claims nothing: the tail is read.
@@ -119,14 +119,14 @@ async def test_records_flushed_between_requests_are_read_ahead_and_always_reflec
     writer = await log.create(new_session_id("tail"))
     try:
         await source.derive(writer.session_id, await user_turn(writer, "one"))
-        await settled(source, writer.session_id)
+        await settled(source, writer.session_id, writer.durable_seq)
         ways = []
         for text in ("two", "three", "four"):
             # Asked at once after the flush: whichever way it is made, it holds what the caller flushed.
             seq = await user_turn(writer, text)
             derived, how = await counted(source, source.derive(writer.session_id, seq))
             assert same(derived, writer), f"after {text!r} ({how})"
-            await settled(source, writer.session_id)
+            await settled(source, writer.session_id, writer.durable_seq)
             # Asked once the read ahead is over: no read on the request's path.
             derived, how = await counted(source, source.derive(writer.session_id, seq))
             assert same(derived, writer)
@@ -143,7 +143,7 @@ async def test_a_record_the_stream_refuses_is_never_taken_and_only_makes_the_gat
     try:
         seq = await user_turn(writer, "one")
         await source.derive(writer.session_id, seq)
-        await settled(source, writer.session_id)
+        await settled(source, writer.session_id, writer.durable_seq)
         # A fenced writer's record: it announces seqs beyond the log and the stream refuses it.
         forged = b'[{"type":"user/message","data":{}}]'
         headers = {H_FORMAT: FORMAT, H_FIRST_SEQ: str(seq + 1), H_COUNT: "1", H_EXPECTED_LAST_SUBJECT_SEQ: "1"}
@@ -157,7 +157,7 @@ async def test_a_record_the_stream_refuses_is_never_taken_and_only_makes_the_gat
         assert same(derived, writer), "the refused record is not in the derivation"
         # The log grows past the announcement: the session is answered without reads again.
         seq = await user_turn(writer, "two")
-        await settled(source, writer.session_id)
+        await settled(source, writer.session_id, writer.durable_seq)
         derived, how = await counted(source, source.derive(writer.session_id, seq))
         assert how == "watched" and same(derived, writer)
     finally:
@@ -169,7 +169,7 @@ async def test_a_seq_beyond_the_log_is_waited_for_and_refused_as_before(log: Ses
     try:
         seq = await user_turn(writer, "one")
         await source.derive(writer.session_id, seq)
-        await settled(source, writer.session_id)
+        await settled(source, writer.session_id, writer.durable_seq)
         short = StreamSource(log, wait_s=0.2)
         try:
             await short.derive(writer.session_id, seq)
@@ -207,7 +207,7 @@ async def test_a_reconnect_withdraws_every_confirmation_until_a_read_after_it(fr
     try:
         seq = await user_turn(writer, "one")
         await source.derive(writer.session_id, seq)
-        await settled(source, writer.session_id)
+        await settled(source, writer.session_id, writer.durable_seq)
         _, how = await counted(source, source.derive(writer.session_id, seq))
         assert how == "watched"
         reconnects = opened.nc.stats["reconnects"]
@@ -216,7 +216,7 @@ async def test_a_reconnect_withdraws_every_confirmation_until_a_read_after_it(fr
         derived, how = await counted(source, source.derive(writer.session_id, seq))
         assert how == "read", "hints may have been lost while the connection was down"
         assert same(derived, writer)
-        await settled(source, writer.session_id)
+        await settled(source, writer.session_id, writer.durable_seq)
         _, how = await counted(source, source.derive(writer.session_id, seq))
         assert how == "watched"
     finally:
@@ -235,13 +235,13 @@ async def test_a_watch_answers_only_shortly_after_the_read_that_confirmed_it(
     try:
         seq = await user_turn(writer, "one")
         await source.derive(writer.session_id, seq)
-        await settled(source, writer.session_id)
+        await settled(source, writer.session_id, writer.durable_seq)
         _, how = await counted(source, source.derive(writer.session_id, seq))
         assert how == "watched"
         await asyncio.sleep(0.4)
         _, how = await counted(source, source.derive(writer.session_id, seq))
         assert how == "read", "the confirmation is older than CONFIRMED_FOR_S"
-        await settled(source, writer.session_id)  # that request's read confirmed it again
+        await settled(source, writer.session_id, writer.durable_seq)  # that request's read confirmed it again
         _, how = await counted(source, source.derive(writer.session_id, seq))
         assert how == "watched"
     finally:
@@ -262,7 +262,7 @@ async def test_a_session_purged_and_made_again_under_its_id_is_never_answered_fr
         seq = await user_turn(writer, "two")
         await writer.close()
         await source.derive(session_id, seq)
-        await settled(source, session_id)
+        await settled(source, session_id, seq)
         tails_ = source.tails
         assert tails_ is not None and tails_.watching(session_id)
         await opened.purge(session_id)
@@ -288,7 +288,7 @@ async def test_a_hint_that_does_not_continue_the_state_makes_the_gateway_read(
     try:
         seq = await user_turn(writer, "one")
         await source.derive(writer.session_id, seq)
-        await settled(source, writer.session_id)
+        await settled(source, writer.session_id, writer.durable_seq)
         headers = {H_FORMAT: FORMAT, H_FIRST_SEQ: "0", H_COUNT: "1", H_EXPECTED_LAST_SUBJECT_SEQ: "1"}
         with pytest.raises(nats.js.errors.APIError):
             await log.js.publish(in_subject(writer.session_id), b'[{"type":"turn/start","data":{"turn":1}}]',
@@ -312,7 +312,7 @@ async def test_a_session_in_use_keeps_its_watch_confirmed_without_reads_on_the_r
     try:
         seq = await user_turn(writer, "one")
         await source.derive(writer.session_id, seq)
-        await settled(source, writer.session_id)
+        await settled(source, writer.session_id, writer.durable_seq)
         ways = []
         for _ in range(12):  # 1.2 s: four times the confirmation's life
             _, how = await counted(source, source.derive(writer.session_id, seq))

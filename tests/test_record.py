@@ -1027,7 +1027,9 @@ async def test_a_streamed_answers_chunks_are_logged_in_records_of_the_record_win
     with_chunks = [r for r in records if any(b'"assistant/chunk"' in raw for raw in r.events)]
     chunks = sum(raw.count(b'"assistant/chunk"') for r in records for raw in r.events)
     assert chunks >= 40
-    # At most one record per window while the answer streamed, and two more for a window cut at each end.
-    assert len(with_chunks) <= (last - started) / 0.02 + 2, f"{len(with_chunks)} records over {last - started:.3f}s"
+    # One record per piece before (41 for these 40); batched, several pieces share a record. A busy machine can
+    # publish more often than the window (a batch is sent as soon as the one before it is acknowledged), so the
+    # bound is loose: at most half as many records as pieces.
+    assert len(with_chunks) <= chunks // 2, f"{len(with_chunks)} records for {chunks} chunks over {last - started:.3f}s"
     session = await load(log, sid)
     assert types(session)[-2:] == ["step/end", "turn/end"]

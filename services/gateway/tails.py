@@ -107,11 +107,13 @@ class TailWatch:
         if aging and session_id not in self._reading:
             self._read_ahead(session_id)
 
-    def settled(self, session_id: str) -> bool:
-        """The watch is confirmed on the connection as it is now, recently, and nothing is being read ahead."""
+    def settled(self, session_id: str, seq: int = -1) -> bool:
+        """The watch is confirmed on the connection as it is now, recently, nothing is being read ahead, and the
+        last read holds session seq `seq` (a hint may arrive after a read that already holds its record)."""
         confirmed = self._confirmed.get(session_id)
         return (
-            confirmed is not None
+            self._read_to.get(session_id, 0) > seq
+            and confirmed is not None
             and confirmed[0] == self._epoch()
             and time.monotonic() - confirmed[1] < CONFIRMED_FOR_S
             and session_id not in self._reading

@@ -53,6 +53,8 @@ from sessionlog.record import H_COUNT, H_FIRST_SEQ, in_subject
 log = logging.getLogger("sessionlog.gateway")
 
 CONFIRMED_FOR_S: Final = 1.0  # a watch answers without a read only this long after the read that confirmed it
+STORE_TRIES: Final = 4  # reads again of a record announced and not found, 5, 10, 20 and 40 ms apart
+STORE_WAIT_S: Final = 0.005
 
 # read(session_id): catch the session up from the stream, with a read that starts now; its next seq after (0: none)
 Read = Callable[[str], Awaitable[int]]
@@ -179,7 +181,11 @@ class TailWatch:
         task.add_done_callback(lambda _: self._reading.pop(session_id, None))
 
     async def _ahead(self, session_id: str) -> None:
-        """Read until what is held covers every hint, or a read brings nothing new (a refused record's hint)."""
+        """Read until what is held covers every hint. A hint can come before its record is stored (the server hands
+        a message to subscribers before the stream has it), so a read that brings nothing new is tried again a few
+        times, a little later each time; a record the stream refused is announced but never comes, and the reads
+        stop there."""
+        tries = 0
         while (sub := self._subs.get(session_id)) is not None:
             self._again.discard(session_id)
             epoch, started = self._epoch(), time.monotonic()
@@ -195,8 +201,13 @@ class TailWatch:
             if epoch == self._epoch() and self.enabled:  # a refused subscription's error came before this reply
                 self._confirmed[session_id] = (epoch, started)
             behind = self._announced.get(session_id, -1) >= read_to
-            if session_id not in self._again and not (behind and read_to > before):
+            if session_id in self._again or (behind and read_to > before):
+                tries = 0
+                continue
+            if not behind or tries >= STORE_TRIES:
                 return
+            await asyncio.sleep(STORE_WAIT_S * 2**tries)  # announced, not stored yet (or refused)
+            tries += 1
 
     def read_to(self, session_id: str, next_seq: int) -> None:
         """A read on the request path ended at `next_seq`."""

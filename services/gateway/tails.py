@@ -88,36 +88,35 @@ class TailWatch:
     def watching(self, session_id: str) -> bool:
         return session_id in self._subs
 
+    def _confirmed_for(self, session_id: str) -> float:
+        """Seconds since the read that confirmed the watch on the connection as it is now began (inf: none did)."""
+        confirmed = self._confirmed.get(session_id)
+        if confirmed is None or confirmed[0] != self._epoch():
+            return float("inf")
+        return time.monotonic() - confirmed[1]
+
     def fresh(self, session_id: str, next_seq: int, min_seq: int) -> bool:
         """May a state holding every seq below `next_seq` answer a caller that flushed `min_seq`, without a read?"""
-        confirmed = self._confirmed.get(session_id)
         return (
             self.enabled
             and min_seq < next_seq
             and self._announced.get(session_id, -1) < next_seq
-            and confirmed is not None
-            and confirmed[0] == self._epoch()
-            and time.monotonic() - confirmed[1] < CONFIRMED_FOR_S
+            and self._confirmed_for(session_id) < CONFIRMED_FOR_S
             and self._nc.is_connected
         )
 
     def served(self, session_id: str) -> None:
         """A request was answered from the watch: a confirmation past half its life is renewed in the background,
         so a session in use is never read on a request's path only because its confirmation aged."""
-        confirmed = self._confirmed.get(session_id)
-        aging = confirmed is not None and time.monotonic() - confirmed[1] >= CONFIRMED_FOR_S / 2
-        if aging and session_id not in self._reading:
+        if self._confirmed_for(session_id) >= CONFIRMED_FOR_S / 2 and session_id not in self._reading:
             self._read_ahead(session_id)
 
     def settled(self, session_id: str, seq: int = -1) -> bool:
         """The watch is confirmed on the connection as it is now, recently, nothing is being read ahead, and the
         last read holds session seq `seq` (a hint may arrive after a read that already holds its record)."""
-        confirmed = self._confirmed.get(session_id)
         return (
             self._read_to.get(session_id, 0) > seq
-            and confirmed is not None
-            and confirmed[0] == self._epoch()
-            and time.monotonic() - confirmed[1] < CONFIRMED_FOR_S
+            and self._confirmed_for(session_id) < CONFIRMED_FOR_S
             and session_id not in self._reading
         )
 

@@ -222,12 +222,11 @@ class CheckpointedFeed:
         try:
             while not self.stopping:
                 burst = await feed.take(IDLE_WAKE_S)
-                if burst and first:
-                    first = False
-                    if (waited := time.monotonic() - created) >= SLOW_BURST_S:
+                if burst:
+                    if first and (waited := time.monotonic() - created) >= SLOW_BURST_S:
                         log.warning("%s: %s: the first delivery came %.1fs after the consumer was made",
                                     self.checkpoints.projection, self.label, waited)  # fmt: skip
-                if burst:
+                    first = False
                     self.applying = True
                     try:
                         done = await self._apply_burst(burst)

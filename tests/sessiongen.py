@@ -680,6 +680,24 @@ def generated_sessions(draw: Any, max_turns: int = 5, max_steps: int = 4) -> Gen
 # ---------------------------------------------------------------------------------------------- a live writer
 
 
+BRIEF_HEADER: dict[str, Any] = {"config": {"provider": "p", "model": "m"}, "system": "be brief"}
+
+
+async def user_turn(writer: SessionWriter, text: str, header: dict[str, Any] = BRIEF_HEADER) -> int:
+    """A turn left open at a step, ready for a request: the turn before it closed, a user message, step/start (and
+    the header on the first turn); the seq flushed."""
+    turn = writer.session.last_turn + 1
+    if turn > 1:
+        await writer.emit("step/end", {"turn": turn - 1, "step": 1})
+        await writer.emit("turn/end", {"turn": turn - 1, "reason": {"kind": "completed"}})
+    await writer.emit("turn/start", {"turn": turn})
+    if turn == 1:
+        await writer.emit("request/header", {"header": header, "reason": "initial"})
+    await writer.emit("user/message", user_message_data(text, f"u{turn}"), surface_op="append")
+    await writer.emit("step/start", {"turn": turn, "step": 1})
+    return await writer.flush()
+
+
 async def closed_turn(writer: SessionWriter, text: str = "Hello.") -> list[Event]:
     """One whole turn: a user message, a step that answers with text."""
     turn = writer.session.last_turn + 1

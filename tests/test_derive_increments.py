@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from natsfixtures import log_settings, new_session_id
-from sessiongen import user_message_data
+from sessiongen import user_turn
 
 from services.context_deriver.service import ContextDeriverService
 from services.gateway.derivation import ContextDeriverClient, StreamSource, _Known
 from sessionlog.errors import InvalidRequest
-from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.log import SessionLog
 from sessionlog.micro import call
 from sessionlog.session import messages_canonical
 from sessionlog.settings import Settings
@@ -29,7 +29,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 
 DERIVE = "sessionlog.context.derive"
 WAIT_S = 10.0
-HEADER = {"config": {"provider": "p", "model": "m"}, "system": "be brief"}
 
 
 @pytest_asyncio.fixture(loop_scope="module")
@@ -43,20 +42,6 @@ async def log(provisioned: Settings) -> AsyncIterator[SessionLog]:
     finally:
         await service.stop()
         await opened.close()
-
-
-async def user_turn(writer: SessionWriter, text: str) -> int:
-    """A turn that is left open at a step: a user message, then step/start (and the header on the first turn)."""
-    turn = writer.session.last_turn + 1
-    if turn > 1:
-        await writer.emit("step/end", {"turn": turn - 1, "step": 1})
-        await writer.emit("turn/end", {"turn": turn - 1, "reason": {"kind": "completed"}})
-    await writer.emit("turn/start", {"turn": turn})
-    if turn == 1:
-        await writer.emit("request/header", {"header": HEADER, "reason": "initial"})
-    await writer.emit("user/message", user_message_data(text, f"u{turn}"), surface_op="append")
-    await writer.emit("step/start", {"turn": turn, "step": 1})
-    return await writer.flush()
 
 
 async def derive(log: SessionLog, body: dict[str, Any]) -> dict[str, Any]:

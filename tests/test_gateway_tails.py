@@ -9,13 +9,13 @@ makes the gateway read. Real nats-server, real writers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 import nats.js.errors
 import pytest
 import pytest_asyncio
 from natsfixtures import bounded, log_settings, new_session_id
-from sessiongen import user_message_data
+from sessiongen import user_turn
 
 from services.gateway import tails
 from services.gateway.derivation import Derivation, StreamSource
@@ -28,7 +28,6 @@ from sessionlog.settings import Settings
 pytest_plugins = ["natsfixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
 
-HEADER = {"config": {"provider": "p", "model": "m"}, "system": "be brief"}
 WAIT_S = 10.0
 
 
@@ -66,18 +65,12 @@ async def settled(source: StreamSource, session_id: str, seq: int) -> None:
     await until(lambda: tails.settled(session_id, seq), "the watch settles")
 
 
-async def user_turn(writer: SessionWriter, text: str) -> int:
-    """A turn left open at a step (closing the one before); the seq flushed."""
-    turn = writer.session.last_turn + 1
-    if turn > 1:
-        await writer.emit("step/end", {"turn": turn - 1, "step": 1})
-        await writer.emit("turn/end", {"turn": turn - 1, "reason": {"kind": "completed"}})
-    await writer.emit("turn/start", {"turn": turn})
-    if turn == 1:
-        await writer.emit("request/header", {"header": HEADER, "reason": "initial"})
-    await writer.emit("user/message", user_message_data(text, f"u{turn}"), surface_op="append")
-    await writer.emit("step/start", {"turn": turn, "step": 1})
-    return await writer.flush()
+async def watched(source: StreamSource, writer: SessionWriter) -> int:
+    """A first turn written, asked for once (a read, which starts the watch) and the watch settled; the seq flushed."""
+    seq = await user_turn(writer, "one")
+    await source.derive(writer.session_id, seq)
+    await settled(source, writer.session_id, seq)
+    return seq
 
 
 def same(derived: Derivation, writer: SessionWriter) -> bool:
@@ -86,9 +79,9 @@ def same(derived: Derivation, writer: SessionWriter) -> bool:
     )
 
 
-async def counted(source: StreamSource, step: Awaitable[Derivation]) -> tuple[Derivation, str]:
-    """The derivation and how it was made: "watched" (no read) or "read"."""
-    derived = await step
+async def made(source: StreamSource, session_id: str, min_seq: int | None) -> tuple[Derivation, str]:
+    """The source's derivation and how it was made: "watched" (no read) or "read"."""
+    derived = await source.derive(session_id, min_seq)
     return derived, "watched" if derived.source == "watched" else "read"
 
 
@@ -98,16 +91,16 @@ async def test_a_request_naming_its_seq_is_answered_without_a_read_once_the_watc
     writer = await log.create(new_session_id("tail"))
     try:
         seq = await user_turn(writer, "one")
-        first, how = await counted(source, source.derive(writer.session_id, seq))
+        first, how = await made(source, writer.session_id, seq)
         assert how == "read" and same(first, writer)
         # The watch is not confirmed until a read that began after its subscription is over.
-        _, how = await counted(source, source.derive(writer.session_id, seq))
+        _, how = await made(source, writer.session_id, seq)
         assert how == "read"
         await settled(source, writer.session_id, writer.durable_seq)
-        again, how = await counted(source, source.derive(writer.session_id, seq))
+        again, how = await made(source, writer.session_id, seq)
         assert how == "watched" and same(again, writer)
         # Without a seq the caller claims nothing: the tail is read.
-        _, how = await counted(source, source.derive(writer.session_id, None))
+        _, how = await made(source, writer.session_id, None)
         assert how == "read"
     finally:
         await writer.close()
@@ -118,17 +111,16 @@ async def test_records_flushed_between_requests_are_read_ahead_and_always_reflec
 ) -> None:
     writer = await log.create(new_session_id("tail"))
     try:
-        await source.derive(writer.session_id, await user_turn(writer, "one"))
-        await settled(source, writer.session_id, writer.durable_seq)
+        await watched(source, writer)
         ways = []
         for text in ("two", "three", "four"):
             # Asked at once after the flush: whichever way it is made, it holds what the caller flushed.
             seq = await user_turn(writer, text)
-            derived, how = await counted(source, source.derive(writer.session_id, seq))
+            derived, how = await made(source, writer.session_id, seq)
             assert same(derived, writer), f"after {text!r} ({how})"
             await settled(source, writer.session_id, writer.durable_seq)
             # Asked once the read ahead is over: no read on the request's path.
-            derived, how = await counted(source, source.derive(writer.session_id, seq))
+            derived, how = await made(source, writer.session_id, seq)
             assert same(derived, writer)
             ways.append(how)
         assert ways == ["watched"] * 3
@@ -141,9 +133,7 @@ async def test_a_record_the_stream_refuses_is_never_taken_and_only_makes_the_gat
 ) -> None:
     writer = await log.create(new_session_id("tail"))
     try:
-        seq = await user_turn(writer, "one")
-        await source.derive(writer.session_id, seq)
-        await settled(source, writer.session_id, writer.durable_seq)
+        seq = await watched(source, writer)
         # A fenced writer's record: it announces seqs beyond the log and the stream refuses it.
         forged = b'[{"type":"user/message","data":{}}]'
         headers = {H_FORMAT: FORMAT, H_FIRST_SEQ: str(seq + 1), H_COUNT: "1", H_EXPECTED_LAST_SUBJECT_SEQ: "1"}
@@ -152,13 +142,13 @@ async def test_a_record_the_stream_refuses_is_never_taken_and_only_makes_the_gat
         tails = source.tails
         assert tails is not None
         await until(lambda: tails.announced(writer.session_id) == seq + 1, "the hint arrives")
-        derived, how = await counted(source, source.derive(writer.session_id, seq))
+        derived, how = await made(source, writer.session_id, seq)
         assert how == "read", "a seq was announced beyond what is held"
         assert same(derived, writer), "the refused record is not in the derivation"
         # The log grows past the announcement: the session is answered without reads again.
         seq = await user_turn(writer, "two")
         await settled(source, writer.session_id, writer.durable_seq)
-        derived, how = await counted(source, source.derive(writer.session_id, seq))
+        derived, how = await made(source, writer.session_id, seq)
         assert how == "watched" and same(derived, writer)
     finally:
         await writer.close()
@@ -167,9 +157,7 @@ async def test_a_record_the_stream_refuses_is_never_taken_and_only_makes_the_gat
 async def test_a_seq_beyond_the_log_is_waited_for_and_refused_as_before(log: SessionLog, source: StreamSource) -> None:
     writer = await log.create(new_session_id("tail"))
     try:
-        seq = await user_turn(writer, "one")
-        await source.derive(writer.session_id, seq)
-        await settled(source, writer.session_id, writer.durable_seq)
+        seq = await watched(source, writer)
         short = StreamSource(log, wait_s=0.2)
         try:
             await short.derive(writer.session_id, seq)
@@ -192,7 +180,7 @@ async def test_a_session_dropped_from_the_cache_is_no_longer_watched(log: Sessio
         assert tails is not None
         assert not tails.watching(writers[0].session_id) and tails.watching(writers[1].session_id)
         # Held again later, it is read and watched again.
-        derived, how = await counted(source, source.derive(writers[0].session_id, writers[0].durable_seq))
+        derived, how = await made(source, writers[0].session_id, writers[0].durable_seq)
         assert how == "read" and same(derived, writers[0]) and tails.watching(writers[0].session_id)
     finally:
         for writer in writers:
@@ -205,19 +193,17 @@ async def test_a_reconnect_withdraws_every_confirmation_until_a_read_after_it(fr
     source = StreamSource(opened, wait_s=WAIT_S)
     writer = await opened.create(new_session_id("tail"))
     try:
-        seq = await user_turn(writer, "one")
-        await source.derive(writer.session_id, seq)
-        await settled(source, writer.session_id, writer.durable_seq)
-        _, how = await counted(source, source.derive(writer.session_id, seq))
+        seq = await watched(source, writer)
+        _, how = await made(source, writer.session_id, seq)
         assert how == "watched"
         reconnects = opened.nc.stats["reconnects"]
         await asyncio.to_thread(fresh_server.restart)
         await until(lambda: opened.nc.stats["reconnects"] > reconnects and opened.nc.is_connected, "a reconnect")
-        derived, how = await counted(source, source.derive(writer.session_id, seq))
+        derived, how = await made(source, writer.session_id, seq)
         assert how == "read", "hints may have been lost while the connection was down"
         assert same(derived, writer)
         await settled(source, writer.session_id, writer.durable_seq)
-        _, how = await counted(source, source.derive(writer.session_id, seq))
+        _, how = await made(source, writer.session_id, seq)
         assert how == "watched"
     finally:
         await bounded(writer.close())
@@ -233,16 +219,14 @@ async def test_a_watch_answers_only_shortly_after_the_read_that_confirmed_it(
     monkeypatch.setattr(tails, "CONFIRMED_FOR_S", 0.3)
     writer = await log.create(new_session_id("tail"))
     try:
-        seq = await user_turn(writer, "one")
-        await source.derive(writer.session_id, seq)
-        await settled(source, writer.session_id, writer.durable_seq)
-        _, how = await counted(source, source.derive(writer.session_id, seq))
+        seq = await watched(source, writer)
+        _, how = await made(source, writer.session_id, seq)
         assert how == "watched"
         await asyncio.sleep(0.4)
-        _, how = await counted(source, source.derive(writer.session_id, seq))
+        _, how = await made(source, writer.session_id, seq)
         assert how == "read", "the confirmation is older than CONFIRMED_FOR_S"
         await settled(source, writer.session_id, writer.durable_seq)  # that request's read confirmed it again
-        _, how = await counted(source, source.derive(writer.session_id, seq))
+        _, how = await made(source, writer.session_id, seq)
         assert how == "watched"
     finally:
         await writer.close()
@@ -270,7 +254,7 @@ async def test_a_session_purged_and_made_again_under_its_id_is_never_answered_fr
         again = await opened.create(session_id)
         try:
             first = await user_turn(again, "made again")
-            derived, how = await counted(source, source.derive(session_id, first))
+            derived, how = await made(source, session_id, first)
             assert how == "read" and same(derived, again)
         finally:
             await again.close()
@@ -286,9 +270,7 @@ async def test_a_hint_that_does_not_continue_the_state_makes_the_gateway_read(
     missed, a writer's retry) is no proof that nothing changed: the next request reads."""
     writer = await log.create(new_session_id("tail"))
     try:
-        seq = await user_turn(writer, "one")
-        await source.derive(writer.session_id, seq)
-        await settled(source, writer.session_id, writer.durable_seq)
+        seq = await watched(source, writer)
         headers = {H_FORMAT: FORMAT, H_FIRST_SEQ: "0", H_COUNT: "1", H_EXPECTED_LAST_SUBJECT_SEQ: "1"}
         with pytest.raises(nats.js.errors.APIError):
             await log.js.publish(in_subject(writer.session_id), b'[{"type":"turn/start","data":{"turn":1}}]',
@@ -296,7 +278,7 @@ async def test_a_hint_that_does_not_continue_the_state_makes_the_gateway_read(
         tails_ = source.tails
         assert tails_ is not None
         await until(lambda: tails_.announced(writer.session_id) >= seq, "the hint arrives")
-        derived, how = await counted(source, source.derive(writer.session_id, seq))
+        derived, how = await made(source, writer.session_id, seq)
         assert how == "read" and same(derived, writer)
     finally:
         await writer.close()
@@ -310,12 +292,10 @@ async def test_a_session_in_use_keeps_its_watch_confirmed_without_reads_on_the_r
     monkeypatch.setattr(tails, "CONFIRMED_FOR_S", 0.3)
     writer = await log.create(new_session_id("tail"))
     try:
-        seq = await user_turn(writer, "one")
-        await source.derive(writer.session_id, seq)
-        await settled(source, writer.session_id, writer.durable_seq)
+        seq = await watched(source, writer)
         ways = []
         for _ in range(12):  # 1.2 s: four times the confirmation's life
-            _, how = await counted(source, source.derive(writer.session_id, seq))
+            _, how = await made(source, writer.session_id, seq)
             ways.append(how)
             await asyncio.sleep(0.1)
         assert ways == ["watched"] * 12

@@ -177,6 +177,20 @@ async def test_a_second_create_of_the_same_id_is_refused_and_the_first_session_i
     assert await log.reader.events(sid) == raws(written)
 
 
+async def test_a_negative_write_window_is_refused_and_the_window_kept(logs: Logs, url: str) -> None:
+    """`SessionWriter.window_ms` (record mode batches an answer's chunks with it) takes no negative window."""
+    log = await logs.connect(url)
+    writer = await logs.create(log, new_session_id())
+    default = writer.window_ms
+    with pytest.raises(ValueError, match="not negative"):
+        writer.window_ms = -1.0
+    assert writer.window_ms == default
+    writer.window_ms = 20.0
+    assert writer.window_ms == 20.0
+    await closed_turn(writer)
+    assert await writer.flush() == writer.durable_seq == 5
+
+
 async def test_an_event_bigger_than_a_record_is_refused_and_nothing_is_queued(logs: Logs, url: str) -> None:
     log = await logs.connect(url, write_max_bytes=4096)
     bound = log.max_record_bytes

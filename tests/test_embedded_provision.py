@@ -94,7 +94,11 @@ def test_settings_read_the_environment_and_document_every_field(monkeypatch: pyt
         Settings(_env_file=None, lease_ttl_s=2, lease_refresh_s=2)
     with pytest.raises(ValueError, match="publish_retry_s"):  # a retry must stay within the duplicate window
         Settings(_env_file=None, publish_retry_s=60, duplicate_window_s=60)
-    for field, bad in (("projection_max_sessions", 0), ("projection_idle_evict_s", -1)):
+    for field, bad in (
+        ("projection_max_sessions", 0),
+        ("projection_idle_evict_s", -1),
+        ("gateway_record_window_ms", -1),
+    ):
         with pytest.raises(ValueError, match=field):
             Settings(_env_file=None, **{field: bad})
     table = settings_table_markdown()

@@ -23,6 +23,9 @@ class LogBuilder:
             self.surface.append(seq)
         return seq
 
+    def _chunk(self, turn: int, chunk: dict[str, Any]) -> None:
+        self.add("assistant/chunk", {"turn": turn, "step": 1, "chunk": chunk})
+
     def compact(self) -> None:
         """In an open turn: one summary message replaces every message so far (a `replace` surface op)."""
         self.compactions += 1
@@ -56,21 +59,25 @@ class LogBuilder:
         if t == 1:
             header = {"config": {"provider": "p", "model": "m", "temperature": 0.2}, "system": "be brief"}
             self.add("request/header", {"header": header, "reason": "initial"})
-        first = self.add(
-            "assistant/chunk", {"turn": t, "step": 1, "chunk": {"type": "block-start", "index": 0, "blockType": "text"}}
-        )
-        for _ in range(deltas):
-            self.add(
-                "assistant/chunk", {"turn": t, "step": 1, "chunk": {"type": "text-delta", "index": 0, "text": "tok "}}
-            )
-        text = "tok " * deltas
-        self.add(
-            "assistant/chunk",
-            {"turn": t, "step": 1, "chunk": {"type": "block-end", "index": 0, "block": {"type": "text", "text": text}}},
-        )
         calls = [
             {"type": "tool-call", "id": f"c{t}-{i}", "name": "read", "arguments": '{"path":"a"}'} for i in range(tools)
         ]
+        usage = {"inputTokens": 100, "outputTokens": deltas}
+        text = "tok " * deltas
+        first = len(self.events)
+        # What a faithful agent streams: the text's deltas, each tool call's, then every block's end, the usage and
+        # the finish; its message is what they assemble to (the token-auditor finds nothing).
+        self._chunk(t, {"type": "block-start", "index": 0, "blockType": "text"})
+        for _ in range(deltas):
+            self._chunk(t, {"type": "text-delta", "index": 0, "text": "tok "})
+        for i, c in enumerate(calls, start=1):
+            self._chunk(t, {"type": "block-start", "index": i, "blockType": "tool-call"})
+            self._chunk(t, {"type": "tool-call-delta", "index": i, "id": c["id"], "name": c["name"],
+                            "argumentsDelta": c["arguments"]})  # fmt: skip
+        for i, block in enumerate([{"type": "text", "text": text}, *calls]):
+            self._chunk(t, {"type": "block-end", "index": i, "block": block})
+        self._chunk(t, {"type": "usage", "usage": usage})
+        self._chunk(t, {"type": "finish", "reason": {"kind": "tool-calls" if calls else "stop"}})
         message = {
             "id": f"a{t}",
             "role": "assistant",
@@ -79,7 +86,7 @@ class LogBuilder:
         }
         self.add(
             "assistant/message",
-            {"turn": t, "step": 1, "message": message, "usage": {"inputTokens": 100, "outputTokens": deltas}},
+            {"turn": t, "step": 1, "message": message, "usage": usage},
             surface_op="append",
             source_event_seqs=list(range(first, len(self.events))),
         )

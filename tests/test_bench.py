@@ -121,3 +121,26 @@ def test_the_fleet_judges_recovery_on_samples_further_apart_than_a_second() -> N
     # Never a second under the threshold before the end: not recovered.
     result = analyse(PROJECTIONS[0], _fleet_samples([*before, (16.0, 2.0), (17.5, 0.2)]), {"kill": 15.0})
     assert result["recovered_after_takeover_s"] is None
+
+
+def test_the_synthetic_sessions_are_ones_a_faithful_agent_would_log() -> None:
+    """The benchmarks' sessions stand for a real agent's: every message is what its chunks assemble to, with its
+    usage, so the token-auditor of a benchmark audits, as in production, without a finding per step (it used to
+    find a tool call missing from the chunks of every first step, and log a line for each)."""
+    from bench.bench_fleet import first_turn, later_turns
+    from bench.synth import synthetic_log
+    from sessionlog.audit import SessionAuditor
+    from sessionlog.session import Session
+
+    logs = {
+        "synthetic": synthetic_log(600, compact_every=3),
+        "fleet": first_turn() + later_turns(3),
+        "plain": synthetic_log(200, deltas=5, tools=0),
+    }
+    for name, events in logs.items():
+        auditor = SessionAuditor(name)
+        auditor.feed(events, Session())
+        report = auditor.report()
+        assert report.chunks > 0, name
+        assert [f.code for f in report.findings] == [], (name, report.findings[:2])
+        assert report.ledger.total.output_tokens > 0, name

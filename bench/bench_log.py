@@ -10,6 +10,12 @@ verified, its payload cut into the events' bytes) against the floor: the raw bat
 `SessionLog.load` is reported beside it: the same read plus the full SPEC validation of every event and the
 session's state (surface, structure, derived messages), which is what open, resume and fork need; it has no goal.
 
+Reading one session among many: INTERLEAVED_SESSIONS sessions of INTERLEAVED_RECORDS records each, written round
+by round so that every session's records are spread over the whole stream (what a fleet's stream looks like), then
+READ_SAMPLE of them read whole by `reader.records`, once by the session's stored subject (`sessionlog.events.<p>.<id>`,
+what a reader does once connecting verified the partition count) and once by the wildcard over partitions
+(`sessionlog.events.*.<id>`, what it did before): the server matches a wildcard against every record in between.
+
 Prints one JSON document. Ratios are within one run; absolute figures depend on the machine.
 """
 
@@ -32,7 +38,8 @@ from sessionlog.embedded import EmbeddedServer
 from sessionlog.events import encode_new_event
 from sessionlog.header import SessionHeader
 from sessionlog.log import SessionLog
-from sessionlog.record import events_filter, in_subject
+from sessionlog.reader import StreamReader
+from sessionlog.record import in_subject
 from sessionlog.settings import Settings
 
 from .common import scale
@@ -43,6 +50,9 @@ STREAMED = scale(30_000, 2_000)  # (c): chunks, flushed every FLUSH_EVERY
 FLUSH_EVERY = 50
 READ_EVENTS = scale(100_000, 5_000)
 READ_ROUNDS = scale(3, 1)
+INTERLEAVED_SESSIONS = scale(10_000, 200)
+INTERLEAVED_RECORDS = 10
+READ_SAMPLE = scale(300, 50)
 
 _payloads = msgspec.json.Decoder(list[msgspec.Raw])
 
@@ -151,7 +161,7 @@ async def reading(log: SessionLog) -> dict[str, Any]:
     events = synthetic_log(READ_EVENTS)[:READ_EVENTS]
     await log.store.write_all(sid, events)
     await log.header_store.create(sid, SessionHeader.new(sid, created_at=1).encode())
-    subject = events_filter(sid)
+    subject = log.reader.session_subject(sid)  # the floor reads the way the reader does: by the stored subject
 
     async def floor() -> int:
         count, start = 0, 1
@@ -193,12 +203,46 @@ async def reading(log: SessionLog) -> dict[str, Any]:
     }
 
 
+async def interleaved_reading(log: SessionLog) -> dict[str, Any]:
+    """One session read among INTERLEAVED_SESSIONS interleaved ones, by its stored subject and by the wildcard."""
+    events = synthetic_log(INTERLEAVED_RECORDS * 3)[: INTERLEAVED_RECORDS * 3]
+    sids = [f"bench-mix-{n}" for n in range(INTERLEAVED_SESSIONS)]
+    last = dict.fromkeys(sids, 0)
+    gate = asyncio.Semaphore(256)
+
+    async def one(sid: str, first: int) -> None:
+        async with gate:
+            last[sid] = await log.store.publish(sid, events[first : first + 3], first, last[sid], 0, epoch=1)
+
+    for first in range(0, len(events), 3):  # round by round: each session's records spread over the stream
+        await asyncio.gather(*(one(sid, first) for sid in sids))
+    sample = sids[:: max(1, len(sids) // READ_SAMPLE)][:READ_SAMPLE]
+    wildcard = StreamReader(log.nc, log.settings.stream, timeout=log.settings.request_timeout_s)
+    times: dict[str, list[float]] = {"stored": [], "wildcard": []}
+    for sid in sample:
+        for name, reader in (("stored", log.reader), ("wildcard", wildcard)):
+            start = time.perf_counter()
+            records = await reader.records(sid)
+            times[name].append(time.perf_counter() - start)
+            assert len(records) == INTERLEAVED_RECORDS, (name, sid, len(records))
+    stored, wild = _percentiles(times["stored"]), _percentiles(times["wildcard"])
+    return {
+        "sessions": INTERLEAVED_SESSIONS,
+        "records_per_session": INTERLEAVED_RECORDS,
+        "stream_records": INTERLEAVED_SESSIONS * INTERLEAVED_RECORDS,
+        "read": len(sample),
+        "stored_subject": stored,
+        "wildcard": wild,
+    }
+
+
 async def run(url: str) -> dict[str, Any]:
     log = await SessionLog.connect(Settings(_env_file=None, nats_url=url))
     try:
         raw, each = await publish_latencies(log)
         streaming = await writer_streaming(log)
         read = await reading(log)
+        interleaved = await interleaved_reading(log)
     finally:
         await log.close()
     return {
@@ -207,6 +251,7 @@ async def run(url: str) -> dict[str, Any]:
         "writer_flush_each": each,
         "writer_streaming": streaming,
         "read_100k": read,
+        "read_interleaved": interleaved,
         "ratios": {
             "flush_each_p50_over_raw_p50": {"value": each["p50_ms"] / raw["p50_ms"], "goal": "<= 1.25"},
             "flush_each_p99_over_raw_p99": {"value": each["p99_ms"] / raw["p99_ms"], "goal": "<= 1.25"},
@@ -221,6 +266,10 @@ async def run(url: str) -> dict[str, Any]:
             "reader_events_over_floor": {
                 "value": read["reader_events_per_s"] / read["floor_events_per_s"],
                 "goal": ">= 0.8",
+            },
+            "interleaved_read_wildcard_p50_over_stored_p50": {
+                "value": interleaved["wildcard"]["p50_ms"] / interleaved["stored_subject"]["p50_ms"],
+                "goal": "none: what reading by the stored subject saves (see the module docstring)",
             },
         },
     }

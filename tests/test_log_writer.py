@@ -33,6 +33,8 @@ from sessionlog.errors import LogUnavailable, SessionLogError
 from sessionlog.events import encode_new_event
 from sessionlog.jsonl import decode_header
 from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.provision import stored_subject
+from sessionlog.reader import StreamReader
 from sessionlog.record import H_COUNT, H_DIGEST, H_FIRST_SEQ, H_FORMAT, H_WRITER, events_filter
 
 pytest_plugins = ["natsfixtures"]
@@ -811,6 +813,33 @@ async def test_record_of_finds_the_record_holding_each_seq_among_other_sessions_
     for outside in (len(events), len(events) + 10, -1):
         assert await log.reader.record_of(sid, outside) is None
     assert await log.reader.record_of(new_session_id(), 0) is None
+
+
+async def test_a_verified_log_reads_a_session_by_its_stored_subject_and_finds_what_the_wildcard_finds(
+    logs: Logs, url: str
+) -> None:
+    """Once connecting verified the stream (its partition count is the settings'), one session is read by its
+    literal stored subject: the server finds a literal subject's next record without matching a wildcard against
+    every other session's record in between. A reader that knows no partition count reads by the wildcard."""
+    log = await logs.connect(url, write_max_events=4)
+    sid, noise = new_session_id(), new_session_id()
+    writer, other = await logs.create(log, sid), await logs.create(log, noise)
+    for _ in range(3):
+        await closed_turn(writer)
+        await writer.flush()
+        await closed_turn(other)
+        await other.flush()
+    assert log.reader.session_subject(sid) == stored_subject(sid, log.settings.partition_count)
+    unverified = StreamReader(log.nc, log.settings.stream)
+    assert unverified.session_subject(sid) == events_filter(sid)
+
+    by_stored, by_wildcard = await log.reader.records(sid), await unverified.records(sid)
+    assert len(by_stored) >= 4
+    assert [(r.stream_seq, r.events) for r in by_stored] == [(r.stream_seq, r.events) for r in by_wildcard]
+    assert {r.subject for r in by_stored} == {stored_subject(sid, log.settings.partition_count)}
+    last = await log.reader.last_record(sid)
+    assert last is not None and last.stream_seq == by_stored[-1].stream_seq
+    assert await log.reader.records(new_session_id()) == []
 
 
 async def test_subscribe_from_a_stream_sequence_replays_then_follows_live(logs: Logs, url: str) -> None:

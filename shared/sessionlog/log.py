@@ -104,6 +104,9 @@ class SessionLog:
         try:
             with unavailable_as_typed("provision the log's streams"):
                 await provision(self.js, self.settings)
+            # The stream exists with the settings' partition count (else provisioning refused): the reader can
+            # read one session by its stored subject.
+            self.reader.partition_count = self.settings.partition_count
         except LogUnavailable as err:
             log.warning("connected without verifying the streams (reads may still work): %s", err)
 

@@ -24,6 +24,7 @@ from nats.js import api
 from .audit import RawAssembler, RawExchange
 from .availability import retry_unanswered, translates_unavailable, unavailable_as_typed
 from .errors import CorruptLog, LogUnavailable
+from .provision import stored_subject
 from .record import ALL_EVENTS, Record, decode_record, events_filter, partition_filter, raw_subject
 
 BATCH: Final = 256
@@ -41,10 +42,22 @@ class RawMessage:
 class StreamReader:
     """Reads records of the event stream for any session, partition or the whole stream."""
 
-    def __init__(self, nc: Client, stream: str, *, timeout: float = 5.0) -> None:
+    def __init__(self, nc: Client, stream: str, *, timeout: float = 5.0, partition_count: int | None = None) -> None:
         self._nc = nc
         self._stream = stream
         self._timeout = timeout
+        # The stream's partition count, once known for sure (`SessionLog` sets it when connecting verified the
+        # stream): then one session is read by its literal stored subject, else by the wildcard over partitions.
+        self.partition_count = partition_count
+
+    def session_subject(self, session_id: str) -> str:
+        """The subject filter one session is read by. A literal subject is what the server finds fastest: among
+        thousands of interleaved sessions, a wildcard is matched against every record between two of this
+        session's: on a 100,000-record stream of 10,000 sessions a read took 7.7x as long (bench_log,
+        `read_interleaved`)."""
+        if self.partition_count is None:
+            return events_filter(session_id)
+        return stored_subject(session_id, self.partition_count)
 
     # ---------------------------------------------------------------------------------- low level
 
@@ -145,7 +158,7 @@ class StreamReader:
     ) -> list[Record]:
         """Every record of one session in order, from `from_stream_seq`, stopping once `up_to_seq` (a session
         seq, inclusive) is covered. `min_stream_seq` is a stream sequence the answer must reach."""
-        subject = events_filter(session_id)
+        subject = self.session_subject(session_id)
         out: list[Record] = []
         start = from_stream_seq
         while True:
@@ -187,7 +200,7 @@ class StreamReader:
 
     @translates_unavailable("read the last record of session {session_id}")
     async def last_record(self, session_id: str) -> Record | None:
-        raw = await self.last_of(events_filter(session_id))
+        raw = await self.last_of(self.session_subject(session_id))
         return None if raw is None else decode_record(raw.stream_seq, raw.subject, raw.headers, raw.data)
 
     @translates_unavailable("find seq {seq} of session {session_id}")
@@ -201,7 +214,7 @@ class StreamReader:
             return last
         lo, hi = 1, last.stream_seq
         found: Record | None = None
-        subject = events_filter(session_id)
+        subject = self.session_subject(session_id)
         while lo <= hi:
             mid = (lo + hi) // 2
             batch, _ = await self.direct_batch(subject, mid, batch=1)
@@ -234,7 +247,7 @@ class StreamReader:
         arrive once and in order. Stop by closing the iterator.
         """
         if session_id is not None:
-            subject = events_filter(session_id)
+            subject = self.session_subject(session_id)
         elif partition is not None:
             subject = partition_filter(partition)
         else:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import msgspec
+import nats
 import nats.errors
 import pytest
 import pytest_asyncio
@@ -606,6 +607,41 @@ async def test_a_replica_that_stops_hands_its_partitions_over_at_once(harness: H
     await eventually(lambda: _true(len(a.owned) == len(b.owned) == 4), "a fair split")
     await b.stop()  # graceful: releases its leases
     await eventually(lambda: _true(a.owned == ALL), "a takes every partition (released, not expired)", timeout=20)
+
+
+async def test_a_replica_whose_presence_answers_come_late_is_still_counted(harness: Harness, url: str) -> None:
+    """On a loaded machine a replica answers the presence request after the round stopped listening. It is a live
+    replica all the same: counted, the others keep to their share and leave it its partitions. (The fleet
+    benchmark's newcomers got no partition in 20 s at a load average of 20: nobody counted them, nor they anyone.)"""
+    name = projection_name()
+    slow = await nats.connect(url)
+    try:
+
+        async def answer(reply: str) -> None:
+            await asyncio.sleep(0.4)  # past a round's wait for answers
+            await slow.publish(reply, b"slow-replica")
+
+        answering: set[asyncio.Task[None]] = set()
+
+        async def answer_late(msg: Any) -> None:
+            if msg.reply:  # each answer late, none held up behind another
+                task = asyncio.create_task(answer(msg.reply))
+                answering.add(task)
+                task.add_done_callback(answering.discard)
+
+        await slow.subscribe(f"sessionlog.replicas.{name}", cb=answer_late)
+        a = await harness.runner(url, name, start=False, partitions=None, claim=True)
+        await a.start()
+
+        async def counted() -> bool:
+            return "slow-replica" in await a.live_replicas() and len(a.owned) == 4
+
+        await eventually(counted, f"a counts the slow replica and keeps to a share of two (a {a.owned})")
+        for _ in range(3):  # and stays there, round after round
+            await asyncio.sleep(LEASE_TTL_S / 2)
+            assert len(a.owned) == 4, a.owned
+    finally:
+        await slow.close()
 
 
 async def test_a_hand_over_that_waits_for_a_slow_feed_lets_no_other_lease_lapse(

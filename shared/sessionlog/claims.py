@@ -4,6 +4,13 @@
 to newcomers, and a survivor takes over a dead replica's partitions once their leases expire. Without a leader no
 lease can be taken: `failure` says why, and the loop keeps trying.
 
+Membership is what was heard, not what answered in time: every round's request names its sender (so everyone
+hears it) and its answers come to an inbox kept for the replica's life, and a replica heard from within a lease
+TTL counts as live. An answer later than the round's wait counts in the next round; on a loaded machine answers
+came after the wait, newcomers counted nobody and nobody counted them, and they got no partition at all. A replica
+that stops says so on the same subject (header `Sessionlog-Leaving`), so its partitions are taken at once, not a
+TTL later; one that dies stops being heard and drops out as its leases expire.
+
 Each round refreshes every held lease at once. A partition let go of (handed to a newcomer, or lost) stops its feed
 in a task of its own: a feed finishes the burst in hand first, seconds on a loaded machine, and a round that waited
 for it let the other leases lapse (taken by another replica while this one still applied their records)."""
@@ -17,15 +24,16 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
-import nats.errors
 from nats.aio.client import Client
 
 from .errors import LeaseHeld, LeaseLost
 from .leases import Lease, Leases
 
 log = logging.getLogger("sessionlog.claims")
+
+H_LEAVING: Final = "Sessionlog-Leaving"  # on a presence message: its sender stops and lets its partitions go
 
 
 class PartitionClaims:
@@ -53,43 +61,68 @@ class PartitionClaims:
         self._disown = disown
         self.failure: str | None = "no claim round has completed yet"
         self._presence: Any = None
+        self._answers: Any = None
+        self._inbox = ""
+        self._heard: dict[str, float] = {}  # another replica's id -> when it was last heard from (monotonic)
+        self.window_s = 5.0  # heard from this recently: live (`loop` makes it the lease TTL)
         # Partitions being let go of (their feeds stopping), not claimed again until they are gone from here.
         self._leaving: dict[int, asyncio.Task[None]] = {}
 
+    @property
+    def _subject(self) -> str:
+        return f"sessionlog.replicas.{self.projection}"
+
     async def start(self) -> None:
-        self._presence = await self.nc.subscribe(f"sessionlog.replicas.{self.projection}", cb=self._answer_presence)
+        self._inbox = self.nc.new_inbox()
+        self._answers = await self.nc.subscribe(self._inbox, cb=self._on_answer)
+        self._presence = await self.nc.subscribe(self._subject, cb=self._on_presence)
+
+    async def leave(self) -> None:
+        """Tell the other replicas this one stops: they count it out now and take what it releases at once."""
+        with contextlib.suppress(Exception):
+            await self.nc.publish(self._subject, self.replica_id.encode(), headers={H_LEAVING: "1"})
+            await self.nc.flush(timeout=1)
 
     async def stop(self) -> None:
-        if self._presence is not None:
-            with contextlib.suppress(Exception):
-                await self._presence.unsubscribe()
-            self._presence = None
+        for sub in (self._presence, self._answers):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        self._presence = self._answers = None
 
-    async def _answer_presence(self, msg: Any) -> None:
+    def _hear(self, sender: str) -> None:
+        if sender and sender != self.replica_id:
+            self._heard[sender] = time.monotonic()
+
+    async def _on_presence(self, msg: Any) -> None:
+        sender = msg.data.decode(errors="replace")  # empty from replicas of before 2026-12-04: not counted here
+        if sender == self.replica_id:
+            return  # its own request
+        if msg.headers and msg.headers.get(H_LEAVING):
+            self._heard.pop(sender, None)
+            return
+        self._hear(sender)
         if msg.reply:
             await self.nc.publish(msg.reply, self.replica_id.encode())
 
+    async def _on_answer(self, msg: Any) -> None:
+        self._hear(msg.data.decode(errors="replace"))
+
     async def live_replicas(self, wait_s: float = 0.1) -> list[str]:
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox)
-        found: set[str] = {self.replica_id}
-        try:
-            await self.nc.publish(f"sessionlog.replicas.{self.projection}", b"", reply=inbox)
-            deadline = time.monotonic() + wait_s
-            while (remaining := deadline - time.monotonic()) > 0:
-                try:
-                    reply = await sub.next_msg(timeout=remaining)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    break
-                found.add(reply.data.decode())
-        finally:
-            await sub.unsubscribe()
-        return sorted(found)
+        """Ask every replica to answer, give the answers `wait_s`, and return the replicas heard from within
+        `window_s` (this one included): an answer that comes later still counts, in the next round."""
+        await self.nc.publish(self._subject, self.replica_id.encode(), reply=self._inbox)
+        await asyncio.sleep(wait_s)
+        horizon = time.monotonic() - self.window_s
+        for replica in [r for r, heard in self._heard.items() if heard < horizon]:
+            del self._heard[replica]
+        return sorted({self.replica_id, *self._heard})
 
     def preference(self, number: int) -> str:
         return hashlib.sha256(f"{self.replica_id}:{number}".encode()).hexdigest()
 
     async def loop(self, ttl: float, period: float) -> None:
+        self.window_s = ttl  # a replica not heard from for a TTL: its leases are expiring too
         while not self.nc.is_closed:
             try:
                 await self.round(ttl)

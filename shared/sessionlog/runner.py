@@ -179,6 +179,7 @@ class ProjectionRunner(Generic[S]):
             await cancel_and_wait(task)
         self._tasks.clear()
         if self.claims is not None:
+            await self.claims.leave()  # no round asks again: the others count it out before its leases are released
             await self.claims.settle()  # partitions being handed over finish, and their leases are released
         for number in list(self.feeds):
             await self._disown(number, True)

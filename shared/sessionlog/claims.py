@@ -95,7 +95,7 @@ class PartitionClaims:
             self._heard[sender] = time.monotonic()
 
     async def _on_presence(self, msg: Any) -> None:
-        sender = msg.data.decode(errors="replace")  # empty from replicas of before 2026-12-04: not counted here
+        sender = msg.data.decode(errors="replace")  # empty from replicas of older builds: not counted here
         if sender == self.replica_id:
             return  # its own request
         if msg.headers and msg.headers.get(H_LEAVING):

@@ -6,7 +6,8 @@ Phases, one nats-server (then the same on a 3-node cluster with R3 streams):
    LEASE_TTL_S), and wait until they have split the partitions;
 2. populate: WRITER_PROCESSES processes create SESSIONS sessions with one closed turn each; wait until every
    projection has applied all of it; memory per 1,000 resident sessions = (RSS now - RSS when ready) / sessions
-   held, per replica;
+   held, per replica (the median over the replicas that hold at least 90% of an even share: one that lost
+   partitions meanwhile holds fewer sessions than its memory grew for);
 3. live: the same processes reopen ACTIVE of those sessions and write further turns at LIVE_RATE events/s
    (flushing where an agent does); BEFORE_S seconds in, one replica of each projection is killed with SIGKILL;
    ADD_AFTER_S later a new one is started; the run goes on AFTER_S more seconds.
@@ -309,8 +310,11 @@ async def fleet(url: str, workdir: Path, replicas_r: int) -> dict[str, Any]:
             rss = rss_mib(replica.proc.pid)
             held = health["sessions"] if health else 0
             if rss is not None and replica.ready_rss is not None and held:
+                # A replica that lost partitions meanwhile (leases lapsed under load) keeps the memory it grew
+                # by but holds fewer sessions: only replicas holding their share are measured.
                 memory.append({"projection": replica.projection, "sessions": held, "rss_mib": rss,
-                               "mib_per_1000_sessions": (rss - replica.ready_rss) / held * 1000})  # fmt: skip
+                               "mib_per_1000_sessions": (rss - replica.ready_rss) / held * 1000,
+                               "held_share": held >= 0.9 * SESSIONS / REPLICAS})  # fmt: skip
         # live phase
         active = [sid for sid in ids if sid not in failed_ids][:ACTIVE]
         live_slices = [active[k::WRITER_PROCESSES] for k in range(WRITER_PROCESSES)]
@@ -365,7 +369,8 @@ async def fleet(url: str, workdir: Path, replicas_r: int) -> dict[str, Any]:
             "catch_up_after_populate_s": catch_up_s,
             "memory": memory,
             "mib_per_1000_sessions": {
-                p: pct([m["mib_per_1000_sessions"] for m in memory if m["projection"] == p], 0.5) for p in PROJECTIONS
+                p: pct([m["mib_per_1000_sessions"] for m in memory if m["projection"] == p and m["held_share"]], 0.5)
+                for p in PROJECTIONS
             },
             "events": events,
             "per_projection": {p: analyse(p, samples, events) for p in PROJECTIONS},

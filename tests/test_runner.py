@@ -644,6 +644,30 @@ async def test_a_replica_whose_presence_answers_come_late_is_still_counted(harne
         await slow.close()
 
 
+async def test_a_replica_that_stops_slowly_is_not_counted_by_answers_it_gives_while_stopping(
+    harness: Harness, url: str
+) -> None:
+    """A graceful stop finishes each feed's burst in hand before releasing its lease, seconds on a loaded machine.
+    A replica that said it leaves must not answer presence meanwhile: an answer would count it live for another
+    lease TTL, and the partitions it then releases would wait that long for an owner."""
+    name = projection_name()
+    lasting = {"lease_ttl_s": 60.0, "lease_refresh_s": 0.5}  # a takeover in time can only come from the release
+    a = await harness.runner(url, name, start=False, partitions=None, claim=True, connection=lasting)
+    b = await harness.runner(url, name, start=False, partitions=None, claim=True, connection=lasting)
+    await asyncio.gather(a.start(), b.start())
+    await eventually(lambda: _true(len(a.owned) == len(b.owned) == 4), "a fair split")
+    for feed in b.feeds.values():
+        real_stop = feed.stop
+
+        async def slow_stop(real_stop: Any = real_stop) -> None:
+            await asyncio.sleep(2.0)  # a burst still being applied; a's rounds ask for presence meanwhile
+            await real_stop()
+
+        feed.stop = slow_stop  # type: ignore[method-assign]
+    await b.stop()
+    await eventually(lambda: _true(a.owned == ALL), "a takes every partition b released", timeout=10)
+
+
 async def test_a_hand_over_that_waits_for_a_slow_feed_lets_no_other_lease_lapse(
     harness: Harness, url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -34,6 +34,7 @@ from .leases import Lease, Leases
 log = logging.getLogger("sessionlog.claims")
 
 H_LEAVING: Final = "Sessionlog-Leaving"  # on a presence message: its sender stops and lets its partitions go
+LEFT_GRACE_S: Final = 1.0  # answers from a replica that left, heard this soon after, came late: not counted
 
 
 class PartitionClaims:
@@ -64,6 +65,7 @@ class PartitionClaims:
         self._answers: Any = None
         self._inbox = ""
         self._heard: dict[str, float] = {}  # another replica's id -> when it was last heard from (monotonic)
+        self._left: dict[str, float] = {}  # a replica that said it leaves -> when
         self.window_s = 5.0  # heard from this recently: live (`loop` makes it the lease TTL)
         # Partitions being let go of (their feeds stopping), not claimed again until they are gone from here.
         self._leaving: dict[int, asyncio.Task[None]] = {}
@@ -78,7 +80,10 @@ class PartitionClaims:
         self._presence = await self.nc.subscribe(self._subject, cb=self._on_presence)
 
     async def leave(self) -> None:
-        """Tell the other replicas this one stops: they count it out now and take what it releases at once."""
+        """Tell the other replicas this one stops: they count it out now and take what it releases at once. It
+        answers no presence request from here on: its feeds may take seconds to stop, and an answer meanwhile would
+        count it live for another TTL."""
+        await self.stop()
         with contextlib.suppress(Exception):
             await self.nc.publish(self._subject, self.replica_id.encode(), headers={H_LEAVING: "1"})
             await self.nc.flush(timeout=1)
@@ -91,8 +96,12 @@ class PartitionClaims:
         self._presence = self._answers = None
 
     def _hear(self, sender: str) -> None:
-        if sender and sender != self.replica_id:
-            self._heard[sender] = time.monotonic()
+        if not sender or sender == self.replica_id:
+            return
+        now = time.monotonic()
+        if now - self._left.get(sender, -math.inf) < LEFT_GRACE_S:
+            return  # an answer it sent before it left, come late (answers and notices arrive on two subscriptions)
+        self._heard[sender] = now
 
     async def _on_presence(self, msg: Any) -> None:
         sender = msg.data.decode(errors="replace")  # empty from replicas of older builds: not counted here
@@ -100,6 +109,7 @@ class PartitionClaims:
             return  # its own request
         if msg.headers and msg.headers.get(H_LEAVING):
             self._heard.pop(sender, None)
+            self._left[sender] = time.monotonic()
             return
         self._hear(sender)
         if msg.reply:
@@ -116,6 +126,8 @@ class PartitionClaims:
         horizon = time.monotonic() - self.window_s
         for replica in [r for r, heard in self._heard.items() if heard < horizon]:
             del self._heard[replica]
+        for replica in [r for r, left in self._left.items() if left < horizon]:
+            del self._left[replica]
         return sorted({self.replica_id, *self._heard})
 
     def preference(self, number: int) -> str:

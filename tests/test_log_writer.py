@@ -832,6 +832,14 @@ async def test_a_verified_log_reads_a_session_by_its_stored_subject_and_finds_wh
     assert log.reader.session_subject(sid) == stored_subject(sid, log.settings.partition_count)
     unverified = StreamReader(log.nc, log.settings.stream)
     assert unverified.session_subject(sid) == events_filter(sid)
+    unprovisioned = await SessionLog.connect(logs.settings(url), provision_stores=False)
+    try:  # a connection that verified nothing keeps the wildcard, right whatever the partition count
+        assert unprovisioned.reader.session_subject(sid) == events_filter(sid)
+        assert [r.stream_seq for r in await unprovisioned.reader.records(sid)] == [
+            r.stream_seq for r in await log.reader.records(sid)
+        ]
+    finally:
+        await unprovisioned.close()
 
     by_stored, by_wildcard = await log.reader.records(sid), await unverified.records(sid)
     assert len(by_stored) >= 4

@@ -656,14 +656,7 @@ async def test_a_replica_that_stops_slowly_is_not_counted_by_answers_it_gives_wh
     b = await harness.runner(url, name, start=False, partitions=None, claim=True, connection=lasting)
     await asyncio.gather(a.start(), b.start())
     await eventually(lambda: _true(len(a.owned) == len(b.owned) == 4), "a fair split")
-    for feed in b.feeds.values():
-        real_stop = feed.stop
-
-        async def slow_stop(real_stop: Any = real_stop) -> None:
-            await asyncio.sleep(2.0)  # a burst still being applied; a's rounds ask for presence meanwhile
-            await real_stop()
-
-        feed.stop = slow_stop  # type: ignore[method-assign]
+    _slow_feed_stops(b, 2.0)  # a's rounds ask for presence meanwhile
     await b.stop()
     await eventually(lambda: _true(a.owned == ALL), "a takes every partition b released", timeout=10)
 
@@ -679,14 +672,7 @@ async def test_a_hand_over_that_waits_for_a_slow_feed_lets_no_other_lease_lapse(
     a = await harness.runner(url, name, start=False, partitions=None, claim=True)
     await a.start()
     await eventually(lambda: _true(a.owned == ALL), "the only replica owns every partition")
-    for feed in a.feeds.values():
-        real_stop = feed.stop
-
-        async def slow_stop(real_stop: Any = real_stop) -> None:
-            await asyncio.sleep(3 * LEASE_TTL_S)  # a burst still being applied
-            await real_stop()
-
-        feed.stop = slow_stop  # type: ignore[method-assign]
+    _slow_feed_stops(a, 3 * LEASE_TTL_S)
     caplog.set_level(logging.WARNING, logger="sessionlog.claims")
     b = await harness.runner(url, name, start=False, partitions=None, claim=True)
     await b.start()
@@ -694,6 +680,18 @@ async def test_a_hand_over_that_waits_for_a_slow_feed_lets_no_other_lease_lapse(
     lost = [r.getMessage() for r in caplog.records if "lost partition" in r.getMessage()]
     assert not lost, f"leases lapsed while extras were handed over: {lost}"
     assert not set(a.owned) & set(b.owned)
+
+
+def _slow_feed_stops(runner: ProjectionRunner[Any], delay_s: float) -> None:
+    """Each of the runner's feeds takes `delay_s` to stop, as one still applying a burst on a loaded machine."""
+    for feed in runner.feeds.values():
+        real_stop = feed.stop
+
+        async def slow_stop(real_stop: Any = real_stop) -> None:
+            await asyncio.sleep(delay_s)
+            await real_stop()
+
+        feed.stop = slow_stop  # type: ignore[method-assign]
 
 
 async def _die(runner: ProjectionRunner[Any]) -> None:

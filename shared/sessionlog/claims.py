@@ -37,6 +37,11 @@ H_LEAVING: Final = "Sessionlog-Leaving"  # on a presence message: its sender sto
 LEFT_GRACE_S: Final = 1.0  # answers from a replica that left, heard this soon after, came late: not counted
 
 
+def _drop_before(times: dict[str, float], horizon: float) -> None:
+    for key in [k for k, t in times.items() if t < horizon]:
+        del times[key]
+
+
 class PartitionClaims:
     """Claims a fair share of `partitions` for `replica_id`; `own(number, lease)` and `disown(number, release)`
     are the runtime's, called as partitions are won and lost."""
@@ -123,11 +128,9 @@ class PartitionClaims:
         `window_s` (this one included): an answer that comes later still counts, in the next round."""
         await self.nc.publish(self._subject, self.replica_id.encode(), reply=self._inbox)
         await asyncio.sleep(wait_s)
-        horizon = time.monotonic() - self.window_s
-        for replica in [r for r, heard in self._heard.items() if heard < horizon]:
-            del self._heard[replica]
-        for replica in [r for r, left in self._left.items() if left < horizon]:
-            del self._left[replica]
+        now = time.monotonic()
+        _drop_before(self._heard, now - self.window_s)
+        _drop_before(self._left, now - LEFT_GRACE_S)
         return sorted({self.replica_id, *self._heard})
 
     def preference(self, number: int) -> str:

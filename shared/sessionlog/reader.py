@@ -42,13 +42,13 @@ class RawMessage:
 class StreamReader:
     """Reads records of the event stream for any session, partition or the whole stream."""
 
-    def __init__(self, nc: Client, stream: str, *, timeout: float = 5.0, partition_count: int | None = None) -> None:
+    def __init__(self, nc: Client, stream: str, *, timeout: float = 5.0) -> None:
         self._nc = nc
         self._stream = stream
         self._timeout = timeout
         # The stream's partition count, once known for sure (`SessionLog` sets it when connecting verified the
         # stream): then one session is read by its literal stored subject, else by the wildcard over partitions.
-        self.partition_count = partition_count
+        self.partition_count: int | None = None
 
     def session_subject(self, session_id: str) -> str:
         """The subject filter one session is read by. A literal subject is what the server finds fastest: among

@@ -644,6 +644,29 @@ async def test_a_replica_whose_presence_answers_come_late_is_still_counted(harne
         await slow.close()
 
 
+async def test_presence_messages_that_name_no_replica_are_not_counted(harness: Harness, url: str) -> None:
+    """Bad input on the presence subject (bytes that are no replica id, an empty request as older builds send) is
+    answered or ignored, never counted as a replica: it would shrink every replica's share for a TTL."""
+    name = projection_name()
+    a = await harness.runner(url, name, start=False, partitions=None, claim=True)
+    await a.start()
+    await eventually(lambda: _true(a.owned == ALL), "the only replica owns every partition")
+    other = await nats.connect(url)
+    try:
+        inbox = other.new_inbox()
+        answers = await other.subscribe(inbox)
+        for data in (b"\xff\xfe", b""):
+            await other.publish(f"sessionlog.replicas.{name}", data, reply=inbox)
+            answer = await answers.next_msg(timeout=WAIT_S)
+            assert answer.data == a.replica_id.encode()  # still answered: a request is a request
+        await other.flush()
+        assert await a.live_replicas() == [a.replica_id]
+        await asyncio.sleep(LEASE_TTL_S)
+        assert a.owned == ALL
+    finally:
+        await other.close()
+
+
 async def test_a_replica_that_stops_slowly_is_not_counted_by_answers_it_gives_while_stopping(
     harness: Harness, url: str
 ) -> None:

@@ -37,6 +37,14 @@ H_LEAVING: Final = "Sessionlog-Leaving"  # on a presence message: its sender sto
 LEFT_GRACE_S: Final = 1.0  # answers from a replica that left, heard this soon after, came late: not counted
 
 
+def _sender(msg: Any) -> str:
+    """The replica a presence message names; "" (counted as nobody) for bytes that are no UTF-8 id."""
+    try:
+        return str(msg.data.decode())
+    except UnicodeDecodeError:
+        return ""
+
+
 def _drop_before(times: dict[str, float], horizon: float) -> None:
     for key in [k for k, t in times.items() if t < horizon]:
         del times[key]
@@ -109,7 +117,7 @@ class PartitionClaims:
         self._heard[sender] = now
 
     async def _on_presence(self, msg: Any) -> None:
-        sender = msg.data.decode(errors="replace")  # empty from replicas of older builds: not counted here
+        sender = _sender(msg)  # empty from replicas of older builds: not counted here
         if sender == self.replica_id:
             return  # its own request
         if msg.headers and msg.headers.get(H_LEAVING):
@@ -121,7 +129,7 @@ class PartitionClaims:
             await self.nc.publish(msg.reply, self.replica_id.encode())
 
     async def _on_answer(self, msg: Any) -> None:
-        self._hear(msg.data.decode(errors="replace"))
+        self._hear(_sender(msg))
 
     async def live_replicas(self, wait_s: float = 0.1) -> list[str]:
         """Ask every replica to answer, give the answers `wait_s`, and return the replicas heard from within

@@ -16,8 +16,10 @@ from hypothesis import given
 from sessiongen import SessionBuilder, generated_sessions, text_block, tool_call_block
 from test_fixtures_corpus import FIXTURE_FILES, FIXTURES_DIR, load_fixture, read_fixture
 
+from services.ui_replayer.service import UIState
 from sessionlog.audit import audit_session
 from sessionlog.events import SURFACE_TYPES
+from sessionlog.record import Record
 from sessionlog.repair import interrupted_turn_closers
 from sessionlog.session import Session
 from sessionlog.transcript import (
@@ -159,6 +161,82 @@ def test_generated_sessions_stream_to_the_snapshot_and_the_incremental_build_equ
     snapshot = builder.snapshot()
     assert page.normalized() == page_of(snapshot)
     assert snapshot == build_transcript(generated.session)
+
+
+# ---------------------------------------------------------------------------------------------- quiet builders
+# A builder nobody follows live (a rebuild, a session no page tails) builds no updates; what it keeps is the same.
+
+
+def _records(events: list[Any], size: int) -> list[list[Any]]:
+    return [events[i : i + size] for i in range(0, len(events), size)]
+
+
+def _quiet_then_live(events: list[Any], switch: int) -> tuple[TranscriptBuilder, Page]:
+    """A builder quiet for the first `switch` records of 5 events, then followed by a page that starts from its
+    snapshot there (as a live tail attaches) and applies every update after."""
+    builder = TranscriptBuilder("s")
+    builder.live = False
+    page = Page()
+    for number, record in enumerate(_records(events, 5)):
+        if number == switch:
+            builder.live = True
+            page.apply([EntryUpdate(seq=e.last, entry=e) for e in builder.snapshot().entries])
+        updates = builder.extend(record)
+        assert builder.live or updates == []  # a quiet builder builds none
+        page.apply(coalesce(updates))
+    return builder, page
+
+
+@pytest.mark.parametrize("path", FIXTURE_FILES, ids=lambda p: p.name.removesuffix(".jsonl"))
+def test_a_quiet_builder_keeps_the_transcript_a_live_one_keeps_on_every_fixture(path: Path) -> None:
+    session = load_fixture(path)
+    live = TranscriptBuilder("s")
+    for event in session:
+        live.add(event)
+    events = list(session)
+    builder, page = _quiet_then_live(events, len(events) // 10)  # a tail attaches a tenth of the way in
+    assert builder.snapshot() == live.snapshot()
+    assert builder.replaces == live.replaces == [e.seq for e in session if e.is_replace]
+    assert page.normalized() == page_of(live.snapshot())
+
+
+@given(generated_sessions())
+def test_generated_sessions_built_quietly_then_followed_give_the_snapshot(generated: Any) -> None:
+    events = list(generated.session)
+    for switch in (0, 1, len(events) // 10):
+        builder, page = _quiet_then_live(events, switch)
+        snapshot = builder.snapshot()
+        assert snapshot == build_transcript(generated.session, session_id="s")
+        assert page.normalized() == page_of(snapshot)
+
+
+def test_the_ui_state_builds_updates_only_while_its_session_is_watched() -> None:
+    session = load_fixture(FIXTURES_DIR / "acp-agent-agent-instructions-session.jsonl")  # one with a compaction
+    assert any(e.is_replace for e in session)
+    raws = [e.raw for e in session]
+    watched: dict[str, object] = {}
+    state = UIState("s", None, watched)
+    followed: list[Update] = []
+    for number, chunk in enumerate(_records(raws, 5)):
+        if number == 3:
+            watched["s"] = object()  # a page starts tailing it
+        state.apply(_record(number, chunk))
+        if number < 3:
+            assert state.updates == []
+        followed.extend(state.updates)
+        state.updates = []
+    assert followed  # what a tail was sent after it attached
+    assert followed[0].seq >= 15  # nothing from before it attached
+    assert state.builder.snapshot() == build_transcript(session, session_id="s")
+    assert state.replaces == [e.seq for e in session if e.is_replace]
+    assert len(state.session) == len(session)
+
+
+def _record(number: int, events: list[bytes]) -> Record:
+    return Record(
+        stream_seq=number + 1, subject="sessionlog.events.0.s", first_seq=number * 5, events=tuple(events),
+        epoch=1, digest="", open_turn=0, payload_size=0,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- compaction

@@ -192,6 +192,7 @@ class LiveTails:
         state = await self.ui.runner.sessions.read(session_id)  # its own: followed here, never shared
         state.updates = []
         session, builder, last_stream_seq = state.session, state.builder, state.last_stream_seq
+        builder.live = True  # read quietly (no page tailed it here); followed with its updates from now on
         listener = Listener(seen=from_seq)
         for chunk in self._snapshot(builder, listener):
             yield chunk

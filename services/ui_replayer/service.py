@@ -5,6 +5,7 @@ server of `routes.py`, whose live tails are `live.py`'s)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
 from starlette.applications import Starlette
@@ -12,7 +13,6 @@ from starlette.applications import Starlette
 from sessionlog.asgi import AsgiServer, serve_asgi
 from sessionlog.audit import SessionAuditor
 from sessionlog.errors import InvalidBoundary, SessionLogError, SessionNotFound
-from sessionlog.events import Event
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
 from sessionlog.lru import LRU
@@ -35,20 +35,36 @@ FLEET_CATCH_UP_S: Final = 10.0  # a start waits this long for the fleet index to
 
 class UIState(SessionLogState):
     """One session's validated log, its transcript and its audit (requests, ledger, findings); `updates` holds what
-    the last records changed for the live tail, `replaces` the seqs of its compactions."""
+    the last records changed for the live tail, `replaces` the seqs of its compactions.
 
-    def __init__(self, session_id: str, model_aliases: dict[str, str] | None = None) -> None:
+    `watched` is the projection's live tails by session: a record of a session no page tails builds no updates
+    (the builder is quiet), which is most records of a fleet and every record of a rebuild."""
+
+    def __init__(
+        self,
+        session_id: str,
+        model_aliases: dict[str, str] | None = None,
+        watched: Mapping[str, object] | None = None,
+    ) -> None:
         super().__init__(session_id)
         self.builder = TranscriptBuilder(session_id)
         self.auditor = SessionAuditor(session_id, model_aliases=model_aliases)
         self.updates: list[Update] = []
-        self.replaces: list[int] = []
+        self.watched = watched
 
-    def took(self, event: Event) -> None:
-        self.updates.extend(self.builder.add(event))
-        self.auditor.add(event, self.session)
-        if event.is_replace:
-            self.replaces.append(event.seq)
+    @property
+    def replaces(self) -> list[int]:
+        return self.builder.replaces
+
+    def apply(self, record: Record) -> None:
+        # The session validates each event (a refused one raises, and the cache drops this state) as the auditor
+        # takes it; the transcript takes the record's events after them, as it never reads the session.
+        builder = self.builder
+        if self.watched is not None:
+            builder.live = self.session_id in self.watched
+        updates = builder.extend(self.auditor.feed(record.events, self.session))
+        if updates:
+            self.updates.extend(updates)
 
     def requests(self) -> list[views.Request]:
         return views.requests_of(self.auditor)
@@ -73,7 +89,7 @@ class UIReplayer(Projection[UIState]):
         self.model_aliases = model_aliases or {}
 
     def new_state(self, session_id: str) -> UIState:
-        return UIState(session_id, self.model_aliases)
+        return UIState(session_id, self.model_aliases, self.listeners)
 
     def on_forget(self, session_id: str) -> None:
         self.headers.pop(session_id)

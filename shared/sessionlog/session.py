@@ -182,8 +182,10 @@ class Session:
         """Validate and append one event; raise a typed error and change nothing when it is refused."""
         if not isinstance(event, Event):
             event = decode_event(event, len(self._events))
-        replace = self._check(event)
-        self._commit(event, replace)
+        if event.type == "assistant/chunk" and self._chunk_fits(event):
+            self._events.append(event)  # most of any log: a chunk that fits commits nothing else (as in `extend`)
+            return event
+        self._commit(event, self._check(event))
         return event
 
     def check(self, event: bytes | Event) -> Event:

@@ -147,6 +147,10 @@ class TranscriptBuilder:
         self._entries: list[tm.Entry | _Stream] = []
         self._streams: dict[tuple[int, int], list[_Stream]] = {}  # (turn, step) -> attempts of the open turn
         self._streaming: _Stream | None = None  # the attempt chunks currently go to
+        # Whether a chunk's updates are built: a builder nobody follows live (a rebuild, a session no page tails)
+        # sets it False, and its chunks then return no updates; every entry is kept the same either way.
+        self.live = True
+        self.replaces: list[int] = []  # the seqs of the session's compactions (its surface replaces)
 
     # ------------------------------------------------------------------------------------------ reading
 
@@ -175,9 +179,33 @@ class TranscriptBuilder:
     # ------------------------------------------------------------------------------------------ writing
 
     def extend(self, events: Iterable[Event]) -> list[tm.Update]:
+        """Take each event in turn, as `add` does; the updates of them all. A quiet builder (not `live`) takes
+        the bulk of a stream, a text delta to the block the previous delta went to, inline."""
         out: list[tm.Update] = []
+        if self.live:
+            for event in events:
+                out.extend(self.add(event))
+            return out
+        add, text_delta = self.add, TextDeltaChunk
         for event in events:
-            out.extend(self.add(event))
+            if event.type == "assistant/chunk":
+                data = event.data
+                chunk = data.chunk
+                stream = self._streaming
+                if (
+                    stream is not None
+                    and type(chunk) is text_delta
+                    and chunk.index == stream.last_index
+                    and stream.state == "streaming"
+                    and stream.step == data.step
+                    and stream.turn == data.turn
+                ):
+                    seq = event.seq
+                    stream.last = seq
+                    stream.last_parts.append(chunk.text)
+                    self.next_seq = seq + 1
+                    continue
+            add(event)
         return out
 
     def add(self, event: Event) -> list[tm.Update]:
@@ -188,6 +216,7 @@ class TranscriptBuilder:
             return self._chunk(event)
         if kind == "user/message" or kind == "assistant/message" or kind == "tool/result":
             if event.is_replace:
+                self.replaces.append(event.seq)
                 return self._push(_compaction(event))
             return self._message(event)
         if kind == "turn/start":
@@ -234,6 +263,9 @@ class TranscriptBuilder:
             created = []
         stream.last = event.seq
         chunk = data.chunk
+        if not self.live:
+            self._chunk_quiet(stream, chunk, event)
+            return created
         before = None  # a block-end may rewrite what the deltas showed: then the entry is sent again
         if type(chunk) is BlockEndChunk and chunk.index in stream.blocks:
             before = _shown(stream.blocks[chunk.index])
@@ -283,6 +315,20 @@ class TranscriptBuilder:
                 return created  # the deltas already showed it
             return [*created, self._stream_update(stream, event.seq)]  # a block that arrived whole, or was rewritten
         return created
+
+    @staticmethod
+    def _chunk_quiet(stream: _Stream, chunk: Any, event: Event) -> None:
+        """What `_chunk` changes, without the updates: the block taken, its place kept, the attempt closed."""
+        stream.take(chunk, event.seq)
+        kind = type(chunk)
+        if kind is FinishChunk:
+            if chunk.reason.kind == "error":
+                stream.state = "failed"
+                stream.error = _failure_text(event)
+            else:
+                stream.state = "finished"
+        elif kind is not UsageChunk and chunk.index not in stream.positions:
+            stream.place(chunk.index)
 
     def _stream_update(self, stream: _Stream, seq: int) -> tm.EntryUpdate:
         return tm.EntryUpdate(seq=seq, entry=stream.entry())
@@ -479,6 +525,7 @@ def build_transcript(
     if not session_id and header is not None:
         session_id = (decode_header(header) if isinstance(header, bytes) else header).id
     builder = TranscriptBuilder(session_id)
+    builder.live = False
     for event in session:
         builder.add(event)
     return builder.snapshot(header)

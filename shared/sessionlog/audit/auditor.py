@@ -48,14 +48,18 @@ class SessionAuditor:
 
     # ------------------------------------------------------------------------------------------ feeding
 
-    def feed(self, events: Iterable[bytes | Event], session: Session) -> None:
+    def feed(self, events: Iterable[bytes | Event], session: Session) -> list[Event]:
         """Append each event to `session` (the gate that validates it: a refused event raises and is not taken)
-        and take it, as `add` does. The bulk of a stream, a text delta to the block the previous delta went to,
-        is taken here inline, as `StreamAssembly.take` takes it, without a method call per chunk."""
+        and take it, as `add` does; return the events taken. The bulk of a stream, a text delta to the block the
+        previous delta went to, is taken here inline, as `StreamAssembly.take` takes it, without a method call per
+        chunk."""
         append = session.append
         text_delta = TextDeltaChunk
+        taken: list[Event] = []
+        keep = taken.append
         for item in events:
             event = append(item)
+            keep(event)
             if event.type == "assistant/chunk":
                 data = event.data
                 chunk = data.chunk
@@ -74,6 +78,7 @@ class SessionAuditor:
                     self.events = seq + 1
                     continue
             self.add(event, session)
+        return taken
 
     def add(self, event: Event, session: Session) -> None:
         """Take the next event; `session` is the log it was just appended to."""

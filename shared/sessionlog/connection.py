@@ -21,6 +21,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 
+from sessionlog import natsheaders
 from sessionlog.embedded import LOOPBACK, EmbeddedServer, check_version, port_open
 from sessionlog.errors import LogUnavailable, ServerStartFailed
 from sessionlog.settings import Settings
@@ -162,6 +163,7 @@ async def connect(settings: Settings | None = None, *, name: str = "sessionlog",
             f"cannot connect to NATS at {', '.join(servers)}: {cause or type(cause).__name__}"
         ) from cause
     nc_connected = True
+    natsheaders.install(nc)
     _LISTENERS[nc] = []
     made.append(nc)
     # nats-py reads this option on every reconnect, so the bounded first attempt does not bound later ones.

@@ -505,3 +505,53 @@ def test_a_step_replays_its_chunks_in_order_with_their_delays() -> None:
     for bad in ("3", "a.b", "0.1", "1.0", "1.2.3"):
         with pytest.raises(InvalidStep):
             parse_step(bad)
+
+
+# ---------------------------------------------------------------------------------------------- exported metrics
+
+
+def _counters(provider_model: tuple[str, str]) -> tuple[float, ...]:
+    from prometheus_client import REGISTRY
+
+    provider, model = provider_model
+    kinds = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens", "reasoning_tokens")
+    requests = {"provider": provider, "model": model}
+    values = [REGISTRY.get_sample_value("sessionlog_audit_model_requests_total", requests)]
+    for kind in kinds:
+        labels = {"provider": provider, "model": model, "kind": kind}
+        values.append(REGISTRY.get_sample_value("sessionlog_audit_tokens_total", labels))
+    return tuple(v or 0.0 for v in values)
+
+
+@pytest.mark.parametrize("path", FIXTURE_FILES[::9], ids=lambda p: p.name.removesuffix(".jsonl"))
+def test_the_token_auditor_exports_the_ledger_record_by_record_once_even_when_the_session_is_read_again(
+    path: Path,
+) -> None:
+    from services.token_auditor.service import TokenAuditor
+    from sessionlog.record import Record
+
+    session = load_fixture(path)
+    raws = [e.raw for e in session]
+    records = [
+        Record(stream_seq=n + 1, subject="sessionlog.events.0.s", first_seq=n * 3,
+               events=tuple(raws[n * 3 : n * 3 + 3]), epoch=1, digest="", open_turn=0, payload_size=0)
+        for n in range((len(raws) + 2) // 3)
+    ]  # fmt: skip
+    projection = TokenAuditor()
+    session_id = f"export-{path.stem}"
+    whole = audit_session(session).ledger()
+    models = [(m.provider, m.model) for m in whole.by_model]
+    before = {m: _counters(m) for m in models}
+    for reading in range(2):  # the second is the session loaded again (a restart, an eviction): counted once
+        state = projection.new_state(session_id)
+        state.owned = True
+        for record in records:
+            state.apply(record)
+            projection.on_applied(state, record)
+        charged = state.auditor.charged()
+        for model in models:
+            counts = charged[model]
+            expected = (counts.requests, counts.input_tokens, counts.output_tokens, counts.cache_read_tokens,
+                        counts.cache_write_tokens, counts.reasoning_tokens)  # fmt: skip
+            moved = tuple(a - b for a, b in zip(_counters(model), before[model], strict=True))
+            assert moved == expected, (reading, model)

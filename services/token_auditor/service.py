@@ -68,6 +68,8 @@ class TokenAuditor(Projection[AuditState]):
         # What metrics already counted per session: a reloaded session finds the same things again.
         self._findings_counted: dict[str, int] = {}
         self._tokens_counted: dict[str, dict[tuple[str, str], tuple[int, ...]]] = {}
+        # Per session, what the audit held at its last export (findings, charges): the same means nothing to add.
+        self._exported: dict[str, tuple[int, int]] = {}
 
     def new_state(self, session_id: str) -> AuditState:
         return AuditState(session_id, self.model_aliases)
@@ -78,6 +80,10 @@ class TokenAuditor(Projection[AuditState]):
 
     def export(self, session_id: str, auditor: SessionAuditor) -> None:
         findings = auditor.findings
+        mark = (len(findings), auditor.charges)
+        if self._exported.get(session_id) == mark:
+            return  # most records: a chunk settles nothing and finds nothing
+        self._exported[session_id] = mark
         counted = self._findings_counted.get(session_id, 0)
         if len(findings) > counted:
             for finding in findings[counted:]:
@@ -97,7 +103,9 @@ class TokenAuditor(Projection[AuditState]):
             for kind, new, old in zip(_KINDS, now[1:], before[1:], strict=True):
                 if new > old:
                     TOKENS.labels(provider, name, kind).inc(new - old)
-            seen[model] = now
+            # What was counted only grows: a session read again (a restart, an eviction) replays its totals from
+            # zero, and they must climb back past what was counted before anything is counted again.
+            seen[model] = tuple(map(max, now, before))
 
 
 def _tuple(counts: TokenCounts) -> tuple[int, ...]:

@@ -225,6 +225,11 @@ class SessionAuditor:
         """The running totals per (provider, model), settled attempts only (what metrics export). Read only."""
         return self._ledger.charged()
 
+    @property
+    def charges(self) -> int:
+        """How many times `charged` changed: the same count means the same totals."""
+        return self._ledger.charges
+
     def ledger(self) -> Ledger:
         """The token ledger now. An attempt still in progress counts once its step moves on."""
         return self._ledger.ledger(a for s in self.steps.values() for a in s.attempts)

@@ -24,6 +24,7 @@ class TokenLedger:
         self._by_model: dict[tuple[str, str], TokenCounts] = {}
         self._raw_totals = TokenCounts()
         self._raw_by_model: dict[tuple[str, str], TokenCounts] = {}
+        self.charges = 0  # how many times the running totals of the log changed (`charged` is new when it moved)
 
     def account(self, attempt: Attempt) -> None:
         """Count a settled attempt once: its (last) usage chunk, else its message's usage, else one request."""
@@ -36,10 +37,12 @@ class TokenLedger:
         if usage is not None:
             self.charge(attempt.model, usage)
         else:
+            self.charges += 1
             self._totals.count_request()
             self._model_counts(attempt.model).count_request()
 
     def charge(self, model: tuple[str, str], usage: Usage) -> None:
+        self.charges += 1
         self._totals.add(usage)
         self._model_counts(model).add(usage)
 

@@ -22,6 +22,7 @@ from natsfixtures import new_session_id
 from scaffold import Opened, eventually
 
 from services.gateway import GatewayConfig, ScriptedProvider, ServerThread, UpstreamConfig, build_app
+from services.gateway.forward import _stream_done
 from services.gateway.record_events import Exchange
 from services.repairer.service import RepairerService
 from sessionlog.audit import RawAssembler, audit_session
@@ -486,6 +487,53 @@ async def test_a_client_that_disconnects_mid_stream_leaves_an_aborted_turn_and_i
     follow = await complete(http, gateway, sid, {"model": "scripted-model", "messages": again})
     assert follow.status_code == 200, follow.text
     assert not any(e.is_replace for e in await load(log, sid))
+
+
+async def test_a_client_that_hangs_up_after_the_last_line_has_the_whole_answer_logged_as_complete(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, provisioned: Settings
+) -> None:
+    """The OpenAI Python SDK closes a stream as soon as it reads `data: [DONE]`; a provider may keep its body open a
+    moment after it. The answer was whole: it is logged as complete, not as a turn the user aborted (found when the
+    full suite ran loaded, `test_the_openai_python_sdk_unmodified_streaming_and_not_with_a_tool_loop`)."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "all of it", "end_delay_s": 1.0}])
+    body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "say it"}]}
+    async with http.stream("POST", base(gateway, sid) + "/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        seen = b""
+        async for data in response.aiter_bytes():
+            seen += data
+            if b"data: [DONE]" in seen:
+                break  # hang up at once, as the SDK does
+
+    async def closed() -> bool:
+        return (await load(log, sid)).open_turn is None
+
+    await eventually(closed, "the turn ended")
+    session = await load(log, sid)
+    end = [e for e in session if e.type == "turn/end"][-1]
+    assert msgspec.json.decode(end.raw)["data"]["reason"] == {"kind": "completed"}
+    (message,) = [e for e in session if e.type == "assistant/message"]
+    assert msgspec.json.decode(message.raw)["data"]["message"]["content"] == [{"type": "text", "text": "all of it"}]
+    (raw,) = await raw_exchanges(log, provisioned, sid, 1)
+    assert raw.outcome == "complete"
+
+
+@pytest.mark.parametrize(
+    ("chunks", "done"),
+    [
+        ([b'data: {"x":1}\n\n', b"data: [DONE]\n\n"], True),
+        ([b'data: {"x":1}\n\ndata: [DO', b"NE]\n\n"], True),  # the last line split over two pieces
+        ([b"data:[DONE]\r\n\r\n"], True),
+        ([b'data: {"x":1}\n\ndata: [DONE]'], True),
+        ([b'data: {"x":1}\n\n'], False),
+        ([b'data: {"text":"data: [DONE]"}\n\n'], False),  # the words inside a chunk's text
+        ([b"data: [DONE]\n\n", b'data: {"x":1}\n\n'], False),  # a line after it: not the stream's end
+        ([], False),
+    ],
+)
+async def test_the_end_of_a_stream_is_its_done_line_however_the_bytes_were_cut(chunks: list[bytes], done: bool) -> None:
+    assert _stream_done(chunks) is done
 
 
 async def test_a_provider_error_ends_the_turn_as_an_error_and_a_retry_continues(

@@ -228,6 +228,8 @@ class Forwarder:
         logging each chunk once the client has been sent it)."""
         call, upstream, response, observer = flight.call, flight.upstream, flight.response, flight.observer
         chunks: list[bytes] = []
+        observed = 0  # how many of `chunks` the observer was given
+        ending = False  # the observer is logging the end
         outcome = "forwarded"
         code: str | None = None
         message = ""
@@ -237,12 +239,17 @@ class Forwarder:
                 yield chunk
                 if observer is not None:
                     await observer.relayed(chunk)
+                    observed += 1
             if observer is not None:  # logged before the response ends: the session is free when the client is
+                ending = True
                 # shielded: a client that hangs up after the last line must not cut the logging of its end short
                 await asyncio.shield(asyncio.ensure_future(observer.ended("forwarded", 200)))
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "client_disconnected"
-            self.metrics.client_disconnects.inc()
+            # A client that hangs up once it has the stream's last line (the OpenAI Python SDK closes a stream as
+            # soon as it reads `data: [DONE]`, and a provider may end its body a moment later) had the whole answer.
+            if not ending and not _stream_done(chunks):
+                outcome = "client_disconnected"
+                self.metrics.client_disconnects.inc()
             raise
         except UpstreamIOError as exc:
             err = stream_error(exc, upstream.name, upstream.config.timeout_s)
@@ -250,8 +257,8 @@ class Forwarder:
             self.metrics.upstream_errors.labels(err.code).inc()
             yield sse_error(err, call.request_id)
         finally:
-            if observer is not None and outcome != "forwarded":  # its own task: this one may be cancelled
-                detach(observer.ended(outcome, 200, message=message))
+            if observer is not None and not ending:  # its own task: this one may be cancelled
+                detach(_end_observed(observer, chunks[observed:], outcome, message))
             _close_later(response)
             tee_outcome = {"forwarded": "complete"}.get(outcome, outcome)
             response_entry = ("response", b"".join(chunks), self._response_headers(call, 200, tee_outcome))
@@ -323,6 +330,27 @@ async def _wait_disconnect_message(receive: Any) -> None:
 
 def new_request_id() -> str:
     return "req-" + uuid.uuid4().hex
+
+
+_DONE_LINE: Final = re.compile(rb"(?:^|\n)data:[ \t]*\[DONE\][ \t]*(?:\r?\n)*\Z")
+
+
+def _stream_done(chunks: list[bytes]) -> bool:
+    """Whether the bytes relayed so far end with the SSE stream's last line, `data: [DONE]`."""
+    tail = b""
+    for chunk in reversed(chunks):  # the line may be split over the last chunks
+        tail = chunk + tail
+        if len(tail) >= 64:
+            break
+    return _DONE_LINE.search(tail) is not None
+
+
+async def _end_observed(observer: Observer, unobserved: list[bytes], outcome: str, message: str) -> None:
+    """Give the observer what was relayed but not yet given to it, then end its exchange."""
+    if outcome == "forwarded":
+        for chunk in unobserved:
+            await observer.relayed(chunk)
+    await observer.ended(outcome, 200, message=message)
 
 
 def _close_later(response: UpstreamResponse) -> None:

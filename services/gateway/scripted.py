@@ -11,7 +11,8 @@ A script is a JSON array or JSONL file of replies, used in order (`cycle` repeat
 - `usage`: `{"prompt_tokens", "completion_tokens"}` (default: a rough count), sent when streaming only if the
   request asks with `stream_options.include_usage`;
 - `finish_reason`: default `tool_calls` when there are tool calls, else `stop`;
-- `delay_s`: wait before answering at all; `chunk_delay_s`: wait between streamed chunks;
+- `delay_s`: wait before answering at all; `chunk_delay_s`: wait between streamed chunks; `end_delay_s`: keep the
+  streamed body open that long after `data: [DONE]` (a provider whose stream ends after its last line);
 - `status` and `error`: answer that HTTP status with an OpenAI-style error instead;
 - `disconnect_after`: drop the connection after that many streamed chunks.
 
@@ -138,6 +139,9 @@ class ScriptedProvider:
                 yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
                 sent += 1
             yield b"data: [DONE]\n\n"
+            end_delay = float(reply.get("end_delay_s", 0))
+            if end_delay:
+                await asyncio.sleep(end_delay)
             self.completed += 1
         except (asyncio.CancelledError, GeneratorExit):
             self.disconnects += 1

@@ -258,7 +258,7 @@ class TranscriptBuilder:
             self._streaming = stream
             self._streams.setdefault((stream.turn, stream.step), []).append(stream)
             self._entries.append(stream)
-            created: list[tm.Update] = [tm.EntryUpdate(seq=event.seq, entry=stream.entry())]
+            created: list[tm.Update] = [tm.EntryUpdate(seq=event.seq, entry=stream.entry())] if self.live else []
         else:
             created = []
         stream.last = event.seq

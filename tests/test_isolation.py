@@ -458,6 +458,40 @@ async def test_the_repairer_starts_past_a_corrupt_session_and_still_repairs_the_
         process.stop()
 
 
+async def test_the_repairer_claims_and_reports_before_its_listing_of_every_session_ends(
+    own: tuple[EmbeddedServer, Harness],
+) -> None:
+    """The listing of every session's last record grows with the fleet; a replica does not wait for it to claim its
+    partitions, answer its endpoints and report its health, and says it is not ready until the listing is done."""
+    server, harness = own
+    log = await harness.connect(server.url, repair_grace_s=GRACE_S)
+    dead = await harness.create(log)
+    length = await open_turn(dead, [("c1", True)])
+    await dead.abandon()  # a writer that died with its turn open, before the repairer started
+    listing = asyncio.Event()
+
+    class SlowListing(RepairerService):
+        async def _learn_open_turns(self) -> None:
+            await listing.wait()
+            await super()._learn_open_turns()
+
+    repairer = harness.keep_service(SlowListing(await harness.connect(server.url, repair_grace_s=GRACE_S)))
+    await asyncio.wait_for(repairer.start(), WAIT_S)  # started while the listing waits
+
+    async def claimed() -> bool:
+        return bool(repairer.health()["partitions"])
+
+    await eventually(claimed, "the repairer claims partitions while its listing waits")
+    health = repairer.health()
+    assert health["open_turns_learned"] is False and health["ready"] is False
+    listing.set()
+
+    async def closed() -> bool:
+        return repairer.health()["ready"] is True and len(await log.reader.events(dead.session_id)) > length + 1
+
+    await eventually(closed, "the listing ends, the repairer is ready and closes the turn", timeout=WAIT_S * 2)
+
+
 async def test_the_repairer_backs_off_on_a_session_it_cannot_repair(
     own: tuple[EmbeddedServer, Harness], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -65,7 +65,7 @@ LEASE_TTL_S = scalef(5.0, 2.0)
 SAMPLE_S = 0.25
 BEFORE_S = scalef(15.0, 2.0)
 ADD_AFTER_S = scalef(15.0, 4.0)
-AFTER_S = scalef(20.0, 3.0)
+AFTER_S = scalef(30.0, 3.0)
 LIVE_START_S = scalef(6.0, 2.0)  # the live writers' processes start and open their sessions meanwhile
 PARTITIONS = 8
 # Where the fleet runs: "single,cluster" (both, the default), or one of them for a look at it alone.

@@ -131,6 +131,17 @@ def sse_message(data: bytes) -> dict[str, Any]:
     return message
 
 
+async def hang_up_at(http: httpx.AsyncClient, url: str, body: dict[str, Any], marker: bytes) -> None:
+    """Stream a request and close the connection as soon as the bytes received hold `marker`."""
+    async with http.stream("POST", url + "/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        seen = b""
+        async for data in response.aiter_bytes():
+            seen += data
+            if marker in seen:
+                break
+
+
 async def load(log: SessionLog, session_id: str) -> Session:
     _, session, _ = await log.load(session_id)
     return session
@@ -465,13 +476,7 @@ async def test_a_client_that_disconnects_mid_stream_leaves_an_aborted_turn_and_i
     provider.load([{"text": "one two three four five six seven eight", "chunk_delay_s": 0.2}, {"text": "ok"}])
     messages = [{"role": "user", "content": "count"}]
     body = {"model": "scripted-model", "stream": True, "messages": messages}
-    async with http.stream("POST", base(gateway, sid) + "/chat/completions", json=body) as response:
-        assert response.status_code == 200
-        seen = b""
-        async for data in response.aiter_bytes():
-            seen += data
-            if b'"content":"one' in seen:
-                break  # the user pressed stop after the first word
+    await hang_up_at(http, base(gateway, sid), body, b'"content":"one')  # the user pressed stop after the first word
 
     async def aborted() -> bool:
         session = await load(log, sid)
@@ -498,13 +503,7 @@ async def test_a_client_that_hangs_up_after_the_last_line_has_the_whole_answer_l
     sid = new_session_id("rec")
     provider.load([{"text": "all of it", "end_delay_s": 1.0}])
     body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "say it"}]}
-    async with http.stream("POST", base(gateway, sid) + "/chat/completions", json=body) as response:
-        assert response.status_code == 200
-        seen = b""
-        async for data in response.aiter_bytes():
-            seen += data
-            if b"data: [DONE]" in seen:
-                break  # hang up at once, as the SDK does
+    await hang_up_at(http, base(gateway, sid), body, b"data: [DONE]")  # at once, as the SDK does
 
     async def closed() -> bool:
         return (await load(log, sid)).open_turn is None

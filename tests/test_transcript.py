@@ -177,8 +177,9 @@ def _quiet_then_live(events: list[Any], switch: int) -> tuple[TranscriptBuilder,
     builder = TranscriptBuilder("s")
     builder.live = False
     page = Page()
-    for number, record in enumerate(_records(events, 5)):
-        if number == switch:
+    records = _records(events, 5)
+    for number, record in enumerate([*records, []]):  # a tail may attach after the last record too
+        if number == min(switch, len(records)):
             builder.live = True
             page.apply([EntryUpdate(seq=e.last, entry=e) for e in builder.snapshot().entries])
         updates = builder.extend(record)

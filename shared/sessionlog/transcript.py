@@ -274,11 +274,7 @@ class TranscriptBuilder:
         if kind is UsageChunk:
             return created  # nothing to show while streaming
         if kind is FinishChunk:
-            if chunk.reason.kind == "error":
-                stream.state = "failed"
-                stream.error = _failure_text(event)
-            else:
-                stream.state = "finished"
+            _finished(stream, chunk, event)
             return [*created, self._stream_update(stream, event.seq)]
         position = stream.positions.get(chunk.index)
         if position is None:
@@ -322,11 +318,7 @@ class TranscriptBuilder:
         stream.take(chunk, event.seq)
         kind = type(chunk)
         if kind is FinishChunk:
-            if chunk.reason.kind == "error":
-                stream.state = "failed"
-                stream.error = _failure_text(event)
-            else:
-                stream.state = "finished"
+            _finished(stream, chunk, event)
         elif kind is not UsageChunk and chunk.index not in stream.positions:
             stream.place(chunk.index)
 
@@ -501,6 +493,15 @@ class _FinishEnvelope(Struct):
 
 
 _finish_decoder: Final = msgspec.json.Decoder(_FinishEnvelope)
+
+
+def _finished(stream: _Stream, chunk: FinishChunk, event: Event) -> None:
+    """A finish chunk closes its attempt: failed (with the provider's failure) or finished."""
+    if chunk.reason.kind == "error":
+        stream.state = "failed"
+        stream.error = _failure_text(event)
+    else:
+        stream.state = "finished"
 
 
 def _failure_text(event: Event) -> str:

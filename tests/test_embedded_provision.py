@@ -18,6 +18,7 @@ import pytest
 import pytest_asyncio
 from nats.js import JetStreamContext
 from natsfixtures import BackendUnavailable, container_server, docker_available, log_settings, new_session_id
+from scaffold import eventually
 
 from sessionlog.connection import connect, stop_embedded
 from sessionlog.embedded import (
@@ -496,7 +497,15 @@ async def test_a_three_node_cluster_elects_a_leader_and_serves_r3_streams(nats_c
         info = await jsc.stream_info(settings.stream)
         assert info.config.num_replicas == 3 and info.cluster is not None
         assert len(info.cluster.replicas or []) == 2
-        await jsc.publish(in_subject("r3"), b"x")
+
+        async def stored() -> bool:  # a new R3 stream may take a moment to elect its own leader
+            try:
+                ack = await jsc.publish(in_subject("r3"), b"x")
+            except nats.js.errors.NoStreamResponseError:
+                return False
+            return ack.stream == settings.stream
+
+        await eventually(stored, "a publish to the new R3 stream acknowledged", timeout=10)
     finally:
         await client.close()
 

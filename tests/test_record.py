@@ -22,7 +22,6 @@ from natsfixtures import new_session_id
 from scaffold import Opened, eventually
 
 from services.gateway import GatewayConfig, ScriptedProvider, ServerThread, UpstreamConfig, build_app
-from services.gateway.forward import _stream_done
 from services.gateway.record_events import Exchange
 from services.repairer.service import RepairerService
 from sessionlog.audit import RawAssembler, audit_session
@@ -31,7 +30,7 @@ from sessionlog.embedded import free_port
 from sessionlog.errors import SessionLogError
 from sessionlog.jsonl import read_jsonl
 from sessionlog.log import SessionLog
-from sessionlog.openai_wire import parse_raw_response
+from sessionlog.openai_wire import ends_with_done, parse_raw_response
 from sessionlog.session import Session
 from sessionlog.settings import Settings
 from sessionlog.wire import canonical, to_wire
@@ -532,7 +531,7 @@ async def test_a_client_that_hangs_up_after_the_last_line_has_the_whole_answer_l
     ],
 )
 async def test_the_end_of_a_stream_is_its_done_line_however_the_bytes_were_cut(chunks: list[bytes], done: bool) -> None:
-    assert _stream_done(chunks) is done
+    assert ends_with_done(chunks) is done
 
 
 async def test_a_provider_error_ends_the_turn_as_an_error_and_a_retry_continues(

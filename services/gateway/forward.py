@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from sessionlog.errors import SessionLogError, UpstreamError, http_status
+from sessionlog.openai_wire import ends_with_done
 from sessionlog.record import H_RAW_OUTCOME, H_RAW_SESSION_SEQ, H_RAW_STATUS
 from sessionlog.tasks import detach
 
@@ -247,7 +248,7 @@ class Forwarder:
         except (asyncio.CancelledError, GeneratorExit):
             # A client that hangs up once it has the stream's last line (the OpenAI Python SDK closes a stream as
             # soon as it reads `data: [DONE]`, and a provider may end its body a moment later) had the whole answer.
-            if not ending and not _stream_done(chunks):
+            if not ending and not ends_with_done(chunks):
                 outcome = "client_disconnected"
                 self.metrics.client_disconnects.inc()
             raise
@@ -330,19 +331,6 @@ async def _wait_disconnect_message(receive: Any) -> None:
 
 def new_request_id() -> str:
     return "req-" + uuid.uuid4().hex
-
-
-_DONE_LINE: Final = re.compile(rb"(?:^|\n)data:[ \t]*\[DONE\][ \t]*(?:\r?\n)*\Z")
-
-
-def _stream_done(chunks: list[bytes]) -> bool:
-    """Whether the bytes relayed so far end with the SSE stream's last line, `data: [DONE]`."""
-    tail = b""
-    for chunk in reversed(chunks):  # the line may be split over the last chunks
-        tail = chunk + tail
-        if len(tail) >= 64:
-            break
-    return _DONE_LINE.search(tail) is not None
 
 
 async def _end_observed(observer: Observer, unobserved: list[bytes], outcome: str, message: str) -> None:

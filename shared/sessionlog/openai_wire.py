@@ -353,6 +353,18 @@ class SseLines:
         return out
 
 
+def ends_with_done(pieces: list[bytes]) -> bool:
+    """Whether bytes relayed in `pieces` end with an SSE stream's last line, `data: [DONE]` (read as `SseLines`
+    reads a line; the line may be split over the last pieces, and blank lines may follow it)."""
+    tail = b""
+    for piece in reversed(pieces):
+        tail = piece + tail
+        if len(tail.rstrip(b"\r\n")) >= 64:
+            break
+    line = tail.rstrip(b"\r\n").rpartition(b"\n")[2]
+    return line.startswith(b"data:") and line[5:].strip() == b"[DONE]"
+
+
 # ---------------------------------------------------------------------------------------------- raw responses
 
 

@@ -527,8 +527,7 @@ def build_transcript(
         session_id = (decode_header(header) if isinstance(header, bytes) else header).id
     builder = TranscriptBuilder(session_id)
     builder.live = False
-    for event in session:
-        builder.add(event)
+    builder.extend(session)
     return builder.snapshot(header)
 
 

@@ -152,3 +152,65 @@ async def test_with_no_answer_at_all_the_oldest_record_is_the_one_sent_again(cli
     assert finished == [b"old"]  # the younger record still waits: one probe per silent attempt
     await asyncio.wait_for(young, timeout=2 * BUDGET_S)
     assert finished == [b"old", b"young"]
+
+
+WRONG_LAST = b'{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 7"}}'
+NO_LEADER = b'{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}'
+
+
+@pytest.mark.parametrize(
+    ("earlier", "progress"),
+    [
+        (b"an earlier copy", True),
+        (WRONG_LAST, True),  # what JetStream answers a copy of a record that landed meanwhile
+        (NO_LEADER, False),  # a stream without a leader: no progress, the budget runs out
+    ],
+    ids=["answered", "refused as a copy", "unavailable"],
+)
+async def test_answers_to_records_already_sent_again_are_progress_that_keeps_the_budget_alive(
+    client: Client, earlier: bytes, progress: bool
+) -> None:
+    """A busy link: a record's first attempt goes unanswered for longer than an attempt, so it is sent again (at the
+    back of the queue), and the server then answers the queue in order, its earlier copies first. Those answers reach
+    no record, but they show the server working: the budget counts from them, unless they say the server cannot
+    store anything. (Counting only answers that reached a record failed 100 of 100 writers of a loaded machine at
+    once, while the server was answering their earlier copies "wrong last sequence" for longer than the budget.)"""
+    subject = f"bp.{new_session_id()}"
+    owed: list[str] = []  # reply subjects, in the order the requests came
+
+    async def hold(msg: Msg) -> None:
+        owed.append(msg.reply)
+
+    await client.subscribe(subject, cb=hold)
+    await client.flush()
+    window = PublishWindow(client)
+    budget_s, attempt_s = 0.6, 0.1
+
+    async def record() -> Msg:  # what the store does: attempts while the budget lasts
+        started = time.monotonic()
+        while window.remaining(started, budget_s, 10.0) > 0:
+            try:
+                return await window.request(subject, b"r", {}, attempt_s=attempt_s, started=started,
+                                            budget_s=budget_s, cap_s=10.0)  # fmt: skip
+            except nats.errors.TimeoutError:
+                continue
+        raise TimeoutError("no answer within the budget")
+
+    task = asyncio.create_task(record())
+    while len(owed) < 3:  # three copies in the queue: the first two were each a silent attempt
+        await asyncio.sleep(0.01)
+    for copy in range(6):  # the earlier copies answered, one every half budget: 3 budgets with no answer to a record
+        await asyncio.sleep(budget_s / 2)
+        if task.done():
+            break
+        await client.publish(owed[copy], earlier)
+        await client.flush()
+    if not progress:
+        with pytest.raises(TimeoutError, match="within the budget"):
+            await task
+        assert copy < 3, "the budget ran out from the last answer that was progress"
+        return
+    assert not task.done(), task
+    await client.publish(owed[-1], b"the last copy")
+    answer = await asyncio.wait_for(task, timeout=budget_s)
+    assert answer.data == b"the last copy"

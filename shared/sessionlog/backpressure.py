@@ -24,6 +24,7 @@ import asyncio
 import time
 from typing import Final
 
+import msgspec
 import nats.errors
 from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
@@ -83,12 +84,8 @@ class PublishWindow:
                     left = self.remaining(started, budget_s, cap_s)
                     reply = await self._answer_within(ticket, max(0.0, min(attempt_s, left)))
                     if reply is not None:
-                        if reply.headers and reply.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
+                        if _no_responders(reply):
                             raise nats.errors.NoRespondersError
-                        if not reply.data.startswith(b'{"error"'):  # a refusal (503: no quorum) is no progress
-                            self._latest = max(self._latest, ticket)
-                            self._answers += 1
-                            self._answered_at = time.monotonic()
                         return reply
                     lost = self._latest > ticket  # a later record was answered first
                     # With no answer at all, only the oldest record in flight is sent again (one probe per
@@ -149,12 +146,35 @@ class PublishWindow:
             ticket = int(msg.subject[len(self._prefix) :])
         except ValueError:
             return
+        # An answer is progress whoever it reaches, and whatever it says but "unavailable": one to an earlier copy of
+        # a record that was sent again (when the record has landed meanwhile, a copy is refused as "wrong last
+        # sequence") shows the server working through the queue as much as one that reaches its record.
+        if not _no_responders(msg) and not _unavailable(msg.data):
+            self._latest = max(self._latest, ticket)
+            self._answers += 1
+            self._answered_at = time.monotonic()
         wake = self._waiting.get(ticket)
         if wake is not None:
             _complete(wake, msg)
         elif ticket in self._in_flight:  # its publish is still being handed to the connection
             self._early[ticket] = msg
         # else: an answer to a record given up on or sent again under a new ticket, dropped
+
+
+def _no_responders(msg: Msg) -> bool:
+    headers = msg.headers
+    return headers is not None and headers.get(Header.STATUS) == NO_RESPONDERS_STATUS
+
+
+def _unavailable(data: bytes) -> bool:
+    """Whether an answer is JetStream's 503 (no leader, no quorum): the server is not working through records."""
+    if not data.startswith(b'{"error"'):
+        return False
+    try:
+        error = msgspec.json.decode(data).get("error")
+    except (msgspec.DecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == 503
 
 
 def _complete(wake: asyncio.Future[Msg | None], value: Msg | None) -> None:

@@ -223,7 +223,17 @@ def test_the_scripted_provider_command_serves_its_script_until_terminated(tmp_pa
 
 @pytest.mark.parametrize(
     ("content", "expected"),
-    [(None, "no script file"), ('[{"text": "ok"}, 3]', "not a script of replies"), ("{oops\n", "not a script")],
+    [
+        (None, "no script file"),
+        ('[{"text": "ok"}, 3]', "not a script of replies: Expected `object`, got `int` - at `$[1]`"),
+        ("{oops\n", "not a script of replies: not JSON"),
+        ('"a string"\n', "not a script of replies: Expected `object`, got `str` - at `$[0]`"),
+        ('[{"text": "ok", "delay": 2}]', "Object contains unknown field `delay` - at `$[0]`"),  # delay_s misspelt
+        ('[{"text": "ok"}, {"delay_s": "2"}]', "Expected `float`, got `str` - at `$[1].delay_s`"),
+        ('[{"chunk_delay_s": -1}]', "Expected `float` >= 0.0 - at `$[0].chunk_delay_s`"),
+        ('[{"status": 1000}]', "Expected `int` <= 599 - at `$[0].status`"),
+        ('{"tool_calls": [{"id": "c1"}]}\n', "Object missing required field `name` - at `$[0].tool_calls[0]`"),
+    ],
 )
 def test_the_scripted_provider_command_refuses_a_bad_script_in_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str | None, expected: str

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import httpx
 import msgspec
 import pytest
 
 from services.gateway import ScriptedProvider, ServerThread
+from services.gateway.scripted import ScriptError
 from services.gateway.upstream import Upstream, UpstreamConfig, upstream_transport
 from sessionlog.embedded import free_port
 from sessionlog.errors import UpstreamTimeout, UpstreamUnreachable
@@ -104,3 +106,23 @@ async def test_a_post_is_resent_once_only_when_a_kept_alive_connection_closes_be
     finally:
         await asyncio.wait_for(pool.aclose(), 10)
         server.close()
+
+
+def test_a_script_is_checked_when_it_is_loaded_and_a_bad_one_changes_nothing(
+    provider: tuple[ScriptedProvider, ServerThread],
+) -> None:
+    """A misspelt field or a delay in words is refused with the reply and field it concerns, by the constructor, by
+    `load` and over HTTP (400), and the provider keeps answering from the script it had."""
+    scripted, server = provider
+    with pytest.raises(ScriptError, match=r"unknown field `delay` - at `\$\[0\]`"):
+        ScriptedProvider([{"text": "hi", "delay": 1}])
+    scripted.load([{"text": "kept"}])
+    with pytest.raises(ScriptError, match=r"Expected `float`, got `str` - at `\$\[1\].delay_s`"):
+        scripted.load([{"text": "fine"}, {"delay_s": "soon"}])
+    bad = [b"[{", b'{"text": "an object"}', b'[{"status": 99}]', b'[{"tool_calls": [{"id": "c1", "name": 3}]}]']
+    for body in bad:
+        answer = httpx.post(server.url + "/_scripted/script", content=body)
+        assert answer.status_code == 400, (body, answer.text)
+        assert "not a script of replies" in answer.json()["error"]["message"]
+    reply = httpx.post(server.url + "/v1/chat/completions", content=BODY)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "kept"

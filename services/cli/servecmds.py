@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import msgspec
 import typer
 
 from sessionlog import contracts
@@ -76,7 +75,7 @@ def scripted_provider(
     Point the gateway at it with SESSIONLOG_PROVIDER_BASE_URL=http://HOST:PORT/v1. The reply fields (text,
     tool_calls, usage, status, delays, ...) are described in services/gateway/scripted.py.
     """
-    from services.gateway.scripted import run
+    from services.gateway.scripted import ScriptError, run
 
     if not script.is_file():
         raise typer.BadParameter(f"no script file at {script}")
@@ -84,8 +83,8 @@ def scripted_provider(
         raise typer.BadParameter(f"--port must be 1..65535, got {port}")
     try:
         run(script, host=host, port=port, cycle=cycle)
-    except (ValueError, msgspec.DecodeError) as err:
-        raise typer.BadParameter(f"{script}: not a script of replies: {err}") from None
+    except ScriptError as err:
+        raise typer.BadParameter(f"{script}: {err}") from None
 
 
 def register(app: typer.Typer) -> None:

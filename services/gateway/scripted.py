@@ -18,6 +18,10 @@ A script is a JSON array or JSONL file of replies, used in order (`cycle` repeat
 
 When the script is used up the provider answers 500 "script exhausted". `GET /v1/models` lists its one model;
 `GET /_scripted/requests` returns the bodies received; `POST /_scripted/script` replaces the script.
+
+A script is checked when it is loaded: an unknown field, a value of the wrong type, a negative delay or a status
+outside 100-599 is a `ScriptError` naming the reply and field (`POST /_scripted/script` answers it 400 and keeps
+the script it had).
 """
 
 from __future__ import annotations
@@ -31,26 +35,71 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta, Struct
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 
+class ScriptError(ValueError):
+    """A script that is not a list of replies as described above: which reply, which field, and why."""
+
+
+NonNegative = Annotated[float, Meta(ge=0)]
+
+
+class _ToolCall(Struct, forbid_unknown_fields=True):
+    id: str
+    name: str
+    arguments: str = ""
+
+
+class _Reply(Struct, forbid_unknown_fields=True):
+    """The shape of one reply, checked when a script is loaded (a misspelt field or a delay in words is refused
+    then, not answered as something else later)."""
+
+    text: str = ""
+    reasoning_content: str = ""
+    tool_calls: list[_ToolCall] = []
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    delay_s: NonNegative = 0.0
+    chunk_delay_s: NonNegative = 0.0
+    end_delay_s: NonNegative = 0.0
+    status: Annotated[int, Meta(ge=100, le=599)] = 200
+    error: str | None = None
+    disconnect_after: Annotated[int, Meta(ge=0)] | None = None
+
+
+def check_script(replies: Any) -> list[dict[str, Any]]:
+    """The replies of a decoded script, each checked against the reply fields; `ScriptError` names the first
+    reply that does not fit (`$[2].delay_s`: the third reply's delay)."""
+    if not isinstance(replies, list):
+        raise ScriptError(f"not a script of replies: a JSON array of reply objects, not {type(replies).__name__}")
+    try:
+        msgspec.convert(replies, list[_Reply])
+    except msgspec.ValidationError as err:
+        raise ScriptError(f"not a script of replies: {err}") from None
+    return [dict(reply) for reply in replies]
+
+
 def load_script(path: Path) -> list[dict[str, Any]]:
-    """Replies from a JSON array or a JSONL file (one reply per line; blank lines and `#` lines skipped)."""
+    """Replies from a JSON array or a JSONL file (one reply per line; blank lines and `#` lines skipped), checked."""
     text = path.read_text(encoding="utf-8")
     stripped = text.lstrip()
-    if stripped.startswith("["):
-        replies = msgspec.json.decode(stripped)
-    else:
-        replies = [msgspec.json.decode(line) for line in text.splitlines() if line.strip() and not line.startswith("#")]
-    if not all(isinstance(r, dict) for r in replies):
-        raise ValueError(f"{path}: every reply of a script must be a JSON object")
-    return list(replies)
+    try:
+        if stripped.startswith("["):
+            replies = msgspec.json.decode(stripped)
+        else:
+            lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+            replies = [msgspec.json.decode(line) for line in lines]
+    except msgspec.DecodeError as err:
+        raise ScriptError(f"not a script of replies: not JSON ({err})") from None
+    return check_script(replies)
 
 
 class _Dropped(Exception):
@@ -75,7 +124,7 @@ class ScriptedProvider:
 
     def load(self, script: Iterable[dict[str, Any]] | Path) -> None:
         """Replace the script and start from its first reply."""
-        replies = load_script(script) if isinstance(script, Path) else [dict(r) for r in script]
+        replies = load_script(script) if isinstance(script, Path) else check_script(list(script))
         with self._lock:
             self._replies = replies
             self._next = 0
@@ -151,8 +200,13 @@ class ScriptedProvider:
         return JSONResponse([msgspec.json.decode(b) for b in list(self.received)])
 
     async def replace_script(self, request: Request) -> Response:
-        replies = msgspec.json.decode(await request.body())
-        self.load(replies)
+        try:
+            replies = msgspec.json.decode(await request.body())
+            self.load(replies)
+        except msgspec.DecodeError as err:  # the script in place stays
+            return _error(400, f"not a script of replies: not JSON ({err})", "invalid_request_error")
+        except ScriptError as err:
+            return _error(400, str(err), "invalid_request_error")
         return JSONResponse({"replies": len(replies)})
 
     async def models(self, request: Request) -> Response:
@@ -274,8 +328,8 @@ def _completion(reply: dict[str, Any], model: str, size: int) -> dict[str, Any]:
 def run(script: Path, *, host: str = "127.0.0.1", port: int = 8479, cycle: bool = False) -> None:
     """Serve `script` on host:port until SIGINT or SIGTERM (what `sessionlog scripted-provider` runs).
 
-    The script is read before anything listens, so a bad one fails at once (`ValueError`, `msgspec.DecodeError`
-    or `OSError`) instead of answering 500 on the first request.
+    The script is read and checked before anything listens, so a bad one fails at once (`ScriptError`, a
+    `ValueError`, or `OSError`) instead of answering something else on the first request that uses it.
     """
     from sessionlog import asgi
 

@@ -30,6 +30,8 @@ from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
 from nats.js.api import Header
 
+from .errors import js_not_yet
+
 MAX_IN_FLIGHT: Final = 256
 # The share of the duplicate window a record may wait while its connection is acknowledging others (settings require
 # `publish_retry_s` below the window): the margin keeps its last repeat inside the window.
@@ -146,10 +148,10 @@ class PublishWindow:
             ticket = int(msg.subject[len(self._prefix) :])
         except ValueError:
             return
-        # An answer is progress whoever it reaches, and whatever it says but "unavailable": one to an earlier copy of
-        # a record that was sent again (when the record has landed meanwhile, a copy is refused as "wrong last
+        # An answer is progress whoever it reaches, and whatever it says but "not yet": one to an earlier copy of a
+        # record that was sent again (when the record has landed meanwhile, a copy is refused as "wrong last
         # sequence") shows the server working through the queue as much as one that reaches its record.
-        if not _no_responders(msg) and not _unavailable(msg.data):
+        if not _no_responders(msg) and not _not_yet(msg.data):
             self._latest = max(self._latest, ticket)
             self._answers += 1
             self._answered_at = time.monotonic()
@@ -166,15 +168,15 @@ def _no_responders(msg: Msg) -> bool:
     return headers is not None and headers.get(Header.STATUS) == NO_RESPONDERS_STATUS
 
 
-def _unavailable(data: bytes) -> bool:
-    """Whether an answer is JetStream's 503 (no leader, no quorum): the server is not working through records."""
+def _not_yet(data: bytes) -> bool:
+    """Whether an answer is a JetStream error that says "not yet" (`js_not_yet`)."""
     if not data.startswith(b'{"error"'):
         return False
     try:
         error = msgspec.json.decode(data).get("error")
     except (msgspec.DecodeError, AttributeError):
         return False
-    return isinstance(error, dict) and error.get("code") == 503
+    return isinstance(error, dict) and js_not_yet(error)
 
 
 def _complete(wake: asyncio.Future[Msg | None], value: Msg | None) -> None:

@@ -11,7 +11,7 @@ defined anywhere else is not a wire code. The JetStream API error numbers the lo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple
 
 if TYPE_CHECKING:
     from .provision import FieldDifference
@@ -447,5 +447,14 @@ JS_STORE_FULL: Final = (10047, 10077, 10027)
 # "duplicate message id is in process": an earlier publish with this message id is still being stored (on a
 # cluster, replicated); its outcome is pending, not refused.
 JS_DUPLICATE_IN_PROCESS: Final = 10158
+
+
+def js_not_yet(error: Mapping[str, Any]) -> bool:
+    """Whether a JetStream publish error says "not yet" rather than no: 503 (no leader, no quorum) or a duplicate
+    still being replicated (what the one node left of a stream without quorum answers a record sent again). The
+    publish asks again, and such an answer is no progress of the server through its queue."""
+    return error.get("code") == 503 or error.get("err_code") == JS_DUPLICATE_IN_PROCESS
+
+
 JS_STREAM_NOT_FOUND: Final = 10059
 JS_STREAM_NAME_IN_USE: Final = 10058

@@ -32,7 +32,6 @@ from nats.js.kv import KeyValue
 from .availability import is_unavailable, retry_unanswered
 from .backpressure import PublishWindow
 from .errors import (
-    JS_DUPLICATE_IN_PROCESS,
     JS_STORE_FULL,
     JS_WRONG_LAST_SEQUENCE,
     Conflict,
@@ -42,6 +41,7 @@ from .errors import (
     PurgeRefused,
     SessionAlreadyExists,
     SessionNotFound,
+    js_not_yet,
 )
 from .reader import StreamReader
 from .record import (
@@ -269,7 +269,7 @@ class RecordStore:
                 f"stream {self._settings.stream} is full and refuses new records ({error.get('description')})",
                 seq=first_seq,
             )
-        if error.get("code") == 503 or code == JS_DUPLICATE_IN_PROCESS:
+        if js_not_yet(error):
             raise _Retry
         raise LogUnavailable(f"session {session_id}: publish refused: {error}", seq=first_seq)
 

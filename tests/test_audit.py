@@ -555,3 +555,34 @@ def test_the_token_auditor_exports_the_ledger_record_by_record_once_even_when_th
                         counts.cache_write_tokens, counts.reasoning_tokens)  # fmt: skip
             moved = tuple(a - b for a, b in zip(_counters(model), before[model], strict=True))
             assert moved == expected, (reading, model)
+
+
+def test_the_token_auditor_remembers_what_it_counted_for_a_bounded_number_of_sessions() -> None:
+    """A replica lives through far more sessions than it holds: what its metrics counted is kept for the sessions
+    exported last (a session read again within them is counted once), never for every session it ever saw."""
+    from services.token_auditor.service import TokenAuditor
+    from sessionlog.record import Record
+
+    session = load_fixture(FIXTURE_FILES[0])
+    raws = tuple(e.raw for e in session)
+    record = Record(stream_seq=1, subject="sessionlog.events.0.s", first_seq=0, events=raws, epoch=1, digest="",
+                    open_turn=0, payload_size=0)  # fmt: skip
+    (model,) = [(m.provider, m.model) for m in audit_session(session).ledger().by_model][:1]
+    projection = TokenAuditor(counted_sessions=3)
+
+    def read(session_id: str) -> None:
+        state = projection.new_state(session_id)
+        state.owned = True
+        state.apply(record)
+        projection.on_applied(state, record)
+
+    start = _counters(model)
+    for n in range(10):
+        read(f"bounded-{n}")
+        assert projection.counted_sessions == min(n + 1, 3)
+    after_ten = _counters(model)
+    assert after_ten != start  # each new session counted
+    read("bounded-9")  # within the last three: read again, counted once
+    assert _counters(model) == after_ten
+    read("bounded-0")  # long forgotten: counted again from its start (the documented over count)
+    assert _counters(model) != after_ten

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
 from prometheus_client import Counter
@@ -22,6 +23,7 @@ from sessionlog.errors import LogUnavailable, SessionNotFound
 from sessionlog.feed import CheckpointedFeed
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
+from sessionlog.lru import LRU
 from sessionlog.pull import Delivery
 from sessionlog.reader import read_raw_exchanges
 from sessionlog.record import Record
@@ -42,6 +44,8 @@ RAW_EXCHANGES: Final = Counter("sessionlog_audit_raw_exchanges_total", "Raw gate
 
 log = logging.getLogger("sessionlog.token_auditor")
 
+# Sessions whose counted totals a replica remembers (at least; the service allows ten times the sessions it holds).
+COUNTED_SESSIONS: Final = 100_000
 _KINDS: Final = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens", "reasoning_tokens")
 
 
@@ -63,13 +67,13 @@ class TokenAuditor(Projection[AuditState]):
 
     name: ClassVar[str] = "token-auditor"
 
-    def __init__(self, model_aliases: Mapping[str, str] | None = None) -> None:
+    def __init__(self, model_aliases: Mapping[str, str] | None = None, *, counted_sessions: int = COUNTED_SESSIONS):
         self.model_aliases = dict(model_aliases or {})
-        # What metrics already counted per session: a reloaded session finds the same things again.
-        self._findings_counted: dict[str, int] = {}
-        self._tokens_counted: dict[str, dict[tuple[str, str], tuple[int, ...]]] = {}
-        # Per session, what the audit held at its last export (findings, charges): the same means nothing to add.
-        self._exported: dict[str, tuple[int, int]] = {}
+        # What metrics already counted per session, for the `counted_sessions` sessions exported last: a session
+        # read again (evicted, reloaded) finds the same things again and must not count them twice. Bounded: a
+        # replica lives through far more sessions than it holds; one idle past that many others that resumes is
+        # counted again from its start (the counters over count it; the report and the ledger stay exact).
+        self._counted: LRU[str, _Counted] = LRU(counted_sessions)
 
     def new_state(self, session_id: str) -> AuditState:
         return AuditState(session_id, self.model_aliases)
@@ -78,19 +82,27 @@ class TokenAuditor(Projection[AuditState]):
         if state.owned:  # a view of another replica's session: that replica counts its findings
             self.export(state.session_id, state.auditor)
 
+    @property
+    def counted_sessions(self) -> int:
+        """Sessions whose counted totals are remembered now (at most the bound)."""
+        return len(self._counted)
+
     def export(self, session_id: str, auditor: SessionAuditor) -> None:
         findings = auditor.findings
         mark = (len(findings), auditor.charges)
-        if self._exported.get(session_id) == mark:
+        counted = self._counted.use(session_id)
+        if counted is None:
+            counted = _Counted()
+            self._counted.put(session_id, counted)
+        elif counted.exported == mark:
             return  # most records: a chunk settles nothing and finds nothing
-        self._exported[session_id] = mark
-        counted = self._findings_counted.get(session_id, 0)
-        if len(findings) > counted:
-            for finding in findings[counted:]:
+        counted.exported = mark
+        if len(findings) > counted.findings:
+            for finding in findings[counted.findings :]:
                 FINDINGS.labels(finding.code).inc()
                 log.warning("audit finding in %s: %s: %s", session_id, finding.code, finding.message)
-            self._findings_counted[session_id] = len(findings)
-        seen = self._tokens_counted.setdefault(session_id, {})
+            counted.findings = len(findings)
+        seen = counted.tokens
         for model, counts in auditor.charged().items():
             now = _tuple(counts)
             before = seen.get(model)
@@ -108,6 +120,16 @@ class TokenAuditor(Projection[AuditState]):
             seen[model] = tuple(map(max, now, before))
 
 
+@dataclass(slots=True)
+class _Counted:
+    """What the metrics counted of one session: its findings, its token totals per model (each only grows), and
+    the audit's (findings, charges) at the last export."""
+
+    findings: int = 0
+    tokens: dict[tuple[str, str], tuple[int, ...]] = field(default_factory=dict)
+    exported: tuple[int, int] = (-1, -1)
+
+
 def _tuple(counts: TokenCounts) -> tuple[int, ...]:
     return (
         counts.requests,
@@ -123,7 +145,8 @@ class TokenAuditorService(ProjectionService[AuditState]):
     """The projection runner, the raw-tee feed and the `sessionlog.audit.report` endpoint."""
 
     def __init__(self, log_: SessionLog, *, raw_feed: bool = True, **runner_options: Any) -> None:
-        self.projection = TokenAuditor(dict(log_.settings.provider_model_map))
+        counted = max(COUNTED_SESSIONS, 10 * log_.settings.projection_max_sessions)
+        self.projection = TokenAuditor(dict(log_.settings.provider_model_map), counted_sessions=counted)
         super().__init__(log_, ProjectionRunner(log_, self.projection, **runner_options))
         self._raw_feed = raw_feed
         self._feed: CheckpointedFeed | None = None

@@ -15,17 +15,22 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
+import nats.errors
 import pytest
 import pytest_asyncio
 from faultproxy import FaultProxy
+from natsfixtures import new_session_id
 from reliability import Stopwatch, record_figures, rng, scale
 from scaffold import WAIT_S, Opened, eventually
 from sessiongen import streamed_turn
 from test_reliability_server_kill import assert_flushed_events_present_once_in_order, stream_turns
 
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.tee import RawTee
 from sessionlog.embedded import EmbeddedServer
 from sessionlog.errors import LogUnavailable, SessionLogError
-from sessionlog.log import SessionWriter
+from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.record import H_RAW_KIND, H_RAW_REQUEST_ID, raw_subject
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -222,3 +227,84 @@ async def test_writers_on_a_busy_link_wait_for_their_acknowledgements_and_none_f
         publishes_sent=sent,
         seconds=round(took, 1),
     )
+
+
+# --- the gateway's raw tee ---------------------------------------------------------------------------------------
+
+
+async def teed(reader: SessionLog, session_id: str) -> list[tuple[str, str, bytes]]:
+    """(request id, kind, data) of every raw-tee message of a session, read over a direct connection."""
+    sub = await reader.js.subscribe(raw_subject(session_id), stream=reader.settings.raw_stream, ordered_consumer=True)
+    out: list[tuple[str, str, bytes]] = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except nats.errors.TimeoutError:
+                return out
+            headers = msg.headers or {}
+            out.append((headers[H_RAW_REQUEST_ID], headers[H_RAW_KIND], msg.data))
+    finally:
+        await sub.unsubscribe()
+
+
+def exchange(request_id: str) -> list[tuple[str, bytes, dict[str, str]]]:
+    headers = {H_RAW_REQUEST_ID: request_id}
+    return [
+        ("request", f"asked {request_id}".encode(), headers),
+        ("response", f"answered {request_id}".encode(), headers),
+    ]
+
+
+@pytest.mark.parametrize("fault", ["stall", "drop"])
+async def test_the_raw_tee_sends_again_through_a_stall_or_a_dropped_connection_and_stores_each_exchange_once(
+    fresh_server: EmbeddedServer, proxy: FaultProxy, fault: str
+) -> None:
+    """Fault isolation of the audit: a connection that stalls for longer than a publish attempt, or drops, used to
+    lose the exchanges teed meanwhile (one attempt, then a warning). Each is now sent again until acknowledged, and
+    stored once (its message id makes the repeats harmless)."""
+    async with Opened(fresh_server.url) as direct, Opened(proxy.url) as through:
+        reader = await direct.connect()
+        log = await through.connect()
+        metrics = GatewayMetrics()
+        tee = RawTee(log.js, stream=log.settings.raw_stream, max_payload=log.nc.max_payload, metrics=metrics,
+                     timeout_s=0.3, retry_s=10.0)  # fmt: skip
+        session_id = new_session_id("tee")
+        tee.submit(session_id, exchange("req-before"))
+        await tee.drain()
+        if fault == "stall":
+            proxy.stall()
+        else:
+            proxy.drop()
+        for n in range(3):
+            tee.submit(session_id, exchange(f"req-{n}"))
+        await asyncio.sleep(1.0)  # several attempts go unanswered
+        proxy.resume()
+        await tee.drain(timeout_s=WAIT_S)
+        assert metrics.raw_tee_failures._value.get() == 0
+        stored = await teed(reader, session_id)
+        expected = [(r, k, f"{'asked' if k == 'request' else 'answered'} {r}".encode())
+                    for r in ["req-before", "req-0", "req-1", "req-2"] for k in ("request", "response")]  # fmt: skip
+        assert sorted(stored) == sorted(expected)  # each once, none lost
+        assert tee.pending_bytes == 0
+
+
+async def test_a_raw_tee_outage_past_its_budget_or_its_backlog_is_counted_and_nothing_waits_for_it(
+    fresh_server: EmbeddedServer, proxy: FaultProxy
+) -> None:
+    async with Opened(proxy.url) as through:
+        log = await through.connect()
+        metrics = GatewayMetrics()
+        tee = RawTee(log.js, stream=log.settings.raw_stream, max_payload=log.nc.max_payload, metrics=metrics,
+                     timeout_s=0.2, retry_s=1.0, max_pending_bytes=40)  # fmt: skip
+        session_id = new_session_id("tee")
+        proxy.stall()
+        try:
+            tee.submit(session_id, exchange("req-late"))  # waits for acknowledgements that never come
+            tee.submit(session_id, exchange("req-over"))  # past the backlog: not teed at all, at once
+            assert metrics.raw_tee_failures._value.get() == 1
+            await tee.drain(timeout_s=WAIT_S)
+            assert metrics.raw_tee_failures._value.get() == 2  # the first, once its budget was spent
+            assert tee.pending_bytes == 0
+        finally:
+            proxy.resume()

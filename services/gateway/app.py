@@ -155,7 +155,12 @@ class Gateway:
                 )
         if self.config.raw_tee:
             self._tee = RawTee(
-                log_.js, stream=self.config.raw_stream, max_payload=log_.nc.max_payload, metrics=self.metrics
+                log_.js,
+                stream=self.config.raw_stream,
+                max_payload=log_.nc.max_payload,
+                metrics=self.metrics,
+                timeout_s=log_.settings.request_timeout_s,
+                retry_s=log_.settings.publish_retry_s,
             )
             self.forwarder.tee = self._tee
         await self.recorder.start()

@@ -7,19 +7,28 @@ the session seq the invariant was checked at (`Sessionlog-Session-Seq`), the rou
 upstream status and the outcome. An entry larger than one NATS message is split into parts
 (`Sessionlog-Part` 0-based, `Sessionlog-Parts`), concatenated in order by a reader.
 
-Publishing runs in the background after the response completes, so the client never waits for the audit; a
-failure is logged and counted, and `Nats-Msg-Id` (`<request id>:<kind>:<part>`) makes a retry safe.
+Publishing runs in the background after the response completes, so the client never waits for the audit. A
+publish that is not answered (a stalled or dropped connection, a stream electing its leader) is sent again until
+it is acknowledged, for up to `retry_s` (`SESSIONLOG_PUBLISH_RETRY_S`, as the writers'); `Nats-Msg-Id`
+(`<request id>:<kind>:<part>`) makes every repeat harmless, so an exchange is stored once however often it was
+sent. What is waiting to be teed is bounded (`max_pending_bytes`): past it, or past the budget, or when the server
+refuses outright, the exchange is not teed, and that is logged and counted (`sessionlog_gateway_raw_tee_failures`)
+(the audit then names the exchange it has no raw copy of).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Final
 
+import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
 
+from sessionlog.errors import js_not_yet
 from sessionlog.record import H_RAW_KIND, H_RAW_PART, H_RAW_PARTS, H_RAW_REQUEST_ID, raw_subject
 
 from .metrics import GatewayMetrics
@@ -32,55 +41,115 @@ H_PART: Final = H_RAW_PART
 H_PARTS: Final = H_RAW_PARTS
 # Room left in a NATS message for the headers.
 _HEADER_ROOM: Final = 4096
+# Bytes of exchanges waiting to be teed, at most (a long outage under load must not hold every body in memory).
+MAX_PENDING_BYTES: Final = 256 * 1024 * 1024
+# What says "not answered yet" rather than "refused": the publish is sent again.
+_TRANSIENT: Final = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.NoStreamResponseError,
+    TimeoutError,
+)
 
 
 class RawTee:
-    """Publishes raw request and response bytes to the audit stream in the background."""
+    """Publishes raw request and response bytes to the audit stream in the background, each until acknowledged."""
 
     def __init__(
-        self, js: JetStreamContext, *, stream: str, max_payload: int, metrics: GatewayMetrics, timeout_s: float = 5.0
+        self,
+        js: JetStreamContext,
+        *,
+        stream: str,
+        max_payload: int,
+        metrics: GatewayMetrics,
+        timeout_s: float = 5.0,
+        retry_s: float = 30.0,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
     ) -> None:
         self._js = js
         self._stream = stream
         self._part = max(1024, max_payload - _HEADER_ROOM)
         self._metrics = metrics
-        self._timeout = timeout_s
+        self._timeout = timeout_s  # one attempt
+        self._retry_s = retry_s  # every attempt at one message
+        self._max_pending = max_pending_bytes
+        self.pending_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
     def submit(self, session_id: str, entries: list[tuple[str, bytes, Mapping[str, str]]]) -> None:
         """Publish `(kind, data, headers)` entries in order, in the background."""
-        task = asyncio.create_task(self._publish_all(session_id, entries), name=f"raw-tee-{session_id}")
+        size = sum(len(data) for _, data, _ in entries)
+        if self.pending_bytes + size > self._max_pending and self._tasks:
+            request_id = entries[0][2].get(H_REQUEST_ID, "") if entries else ""
+            self._metrics.raw_tee_failures.inc()
+            log.warning(
+                "raw tee of request %s not published: %d bytes already wait to be teed (the audit stream is not "
+                "answering)",
+                request_id,
+                self.pending_bytes,
+            )
+            return
+        self.pending_bytes += size
+        task = asyncio.create_task(self._publish_all(session_id, entries, size), name=f"raw-tee-{session_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _publish_all(self, session_id: str, entries: list[tuple[str, bytes, Mapping[str, str]]]) -> None:
+    async def _publish_all(
+        self, session_id: str, entries: list[tuple[str, bytes, Mapping[str, str]]], size: int
+    ) -> None:
         subject = raw_subject(session_id)
-        for kind, data, headers in entries:
-            request_id = headers.get(H_REQUEST_ID, "")
-            parts = [data[i : i + self._part] for i in range(0, len(data), self._part)] or [b""]
-            for index, part in enumerate(parts):
-                all_headers = {
-                    **headers,
-                    H_KIND: kind,
-                    H_PART: str(index),
-                    H_PARTS: str(len(parts)),
-                    "Nats-Msg-Id": f"{request_id}:{kind}:{index}",
-                }
-                try:
-                    await self._js.publish(
-                        subject, part, stream=self._stream, headers=all_headers, timeout=self._timeout
-                    )
-                except Exception as exc:
-                    self._metrics.raw_tee_failures.inc()
-                    log.warning(
-                        "raw tee of request %s (%s part %d) to %s failed: %s",
-                        request_id,
-                        kind,
-                        index,
-                        subject,
-                        type(exc).__name__,
-                    )
-                    return
+        try:
+            for kind, data, headers in entries:
+                request_id = headers.get(H_REQUEST_ID, "")
+                parts = [data[i : i + self._part] for i in range(0, len(data), self._part)] or [b""]
+                for index, part in enumerate(parts):
+                    all_headers = {
+                        **headers,
+                        H_KIND: kind,
+                        H_PART: str(index),
+                        H_PARTS: str(len(parts)),
+                        "Nats-Msg-Id": f"{request_id}:{kind}:{index}",
+                    }
+                    failure = await self._publish(subject, part, all_headers)
+                    if failure is not None:
+                        self._metrics.raw_tee_failures.inc()
+                        log.warning(
+                            "raw tee of request %s (%s part %d) to %s failed: %s",
+                            request_id,
+                            kind,
+                            index,
+                            subject,
+                            failure,
+                        )
+                        return
+        finally:
+            self.pending_bytes -= size
+
+    async def _publish(self, subject: str, data: bytes, headers: dict[str, str]) -> str | None:
+        """Publish until acknowledged; None once stored, else why not (the budget spent, or a refusal)."""
+        deadline = time.monotonic() + self._retry_s
+        delay = 0.05
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                await self._js.publish(
+                    subject, data, stream=self._stream, headers=headers, timeout=max(0.05, min(self._timeout, left))
+                )
+                return None
+            except _TRANSIENT as exc:
+                why = type(exc).__name__
+            except nats.js.errors.APIError as exc:
+                if not js_not_yet({"code": exc.code, "err_code": exc.err_code}):
+                    return f"refused: {exc}"
+                why = str(exc)
+            except Exception as exc:  # a closed connection, a broken stream: not something a repeat mends
+                return f"{type(exc).__name__}: {exc}"
+            if time.monotonic() + delay >= deadline:
+                return f"not acknowledged within {self._retry_s:g}s of retrying (last: {why})"
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         """Wait for the publishes in flight (at shutdown, and in tests)."""

@@ -27,9 +27,12 @@ from test_reliability_server_kill import assert_flushed_events_present_once_in_o
 
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.tee import RawTee
+from sessionlog.checkpoints import Checkpoints
 from sessionlog.embedded import EmbeddedServer
 from sessionlog.errors import LogUnavailable, SessionLogError
 from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.quarantine import Quarantined
+from sessionlog.quarantine import entries as quarantine_entries
 from sessionlog.record import H_RAW_KIND, H_RAW_REQUEST_ID, raw_subject
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
@@ -308,3 +311,23 @@ async def test_a_raw_tee_outage_past_its_budget_or_its_backlog_is_counted_and_no
             assert tee.pending_bytes == 0
         finally:
             proxy.resume()
+
+
+async def test_a_quarantine_entry_written_through_a_stall_is_sent_again_and_kept(
+    fresh_server: EmbeddedServer, proxy: FaultProxy
+) -> None:
+    """A quarantine entry is the one checkpoint write no later write covers: one written while the connection
+    stalls longer than a request used to be lost (one attempt, a counted failure), and the record missing from
+    `sessionlog quarantine list` after a restart."""
+    async with Opened(fresh_server.url) as direct, Opened(proxy.url, request_timeout_s=0.3) as through:
+        reader = await direct.connect()
+        log = await through.connect()
+        projection = f"p-{new_session_id()}"
+        checkpoints = Checkpoints(log.js, log.settings.kv_checkpoints, projection, "replica-1", retry_s=10.0)
+        proxy.stall()
+        checkpoints.quarantine(Quarantined(stream_seq=7, session_id="s-bad", reason="boom", projection=projection))
+        await asyncio.sleep(1.0)  # past the KV put's own timeout: its first attempts go unanswered
+        proxy.resume()
+        await asyncio.wait_for(checkpoints.settle(), WAIT_S)
+        kept = await quarantine_entries(reader.nc, reader.settings.kv_checkpoints, projection=projection)
+        assert [(e.stream_seq, e.session_id, e.reason) for e in kept] == [(7, "s-bad", "boom")]

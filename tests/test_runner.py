@@ -847,10 +847,14 @@ async def test_checkpoint_and_quarantine_writes_that_fail_are_logged_and_counted
     runner = await harness.runner(own_url)
     await runner.wait_ready()
 
+    asked: list[str] = []
+
     async def refused(name: str, value: bytes, *args: Any, **kwargs: Any) -> int:
+        asked.append(name)
         raise nats.errors.TimeoutError  # the bucket's leader does not answer
 
     runner.checkpoints.kv.put = refused
+    runner.checkpoints.retry_s = 0.5  # a quarantine entry is sent again for that long, then counted
 
     def failures(kind: str) -> float:
         labels = {"projection": runner.name, "kind": kind}
@@ -863,5 +867,6 @@ async def test_checkpoint_and_quarantine_writes_that_fail_are_logged_and_counted
     await publish_raw(log, new_session_id(), b"not a record", None)
     await eventually(lambda: _true(failures("checkpoint") >= 1), "a failed checkpoint write counted")
     await eventually(lambda: _true(failures("quarantine") >= 1), "a failed quarantine write counted")
+    assert sum(".quarantine." in name for name in asked) > 1, "the quarantine entry was sent again first"
     logged = [r.getMessage() for r in caplog.records if r.name == "sessionlog.checkpoints"]
     assert any("checkpoint write" in m for m in logged) and any("quarantine write" in m for m in logged), logged

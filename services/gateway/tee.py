@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Mapping
 from typing import Final
 
-import nats.errors
-import nats.js.errors
 from nats.js import JetStreamContext
 
-from sessionlog.errors import js_not_yet
+from sessionlog.availability import retry_unavailable
 from sessionlog.record import H_RAW_KIND, H_RAW_PART, H_RAW_PARTS, H_RAW_REQUEST_ID, raw_subject
 
 from .metrics import GatewayMetrics
@@ -43,15 +40,6 @@ H_PARTS: Final = H_RAW_PARTS
 _HEADER_ROOM: Final = 4096
 # Bytes of exchanges waiting to be teed, at most (a long outage under load must not hold every body in memory).
 MAX_PENDING_BYTES: Final = 256 * 1024 * 1024
-# What says "not answered yet" rather than "refused": the publish is sent again.
-_TRANSIENT: Final = (
-    nats.errors.TimeoutError,
-    nats.errors.NoRespondersError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.OutboundBufferLimitError,
-    nats.js.errors.NoStreamResponseError,
-    TimeoutError,
-)
 
 
 class RawTee:
@@ -129,27 +117,15 @@ class RawTee:
 
     async def _publish(self, subject: str, data: bytes, headers: dict[str, str]) -> str | None:
         """Publish until acknowledged; None once stored, else why not (the budget spent, or a refusal)."""
-        deadline = time.monotonic() + self._retry_s
-        delay = 0.05
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                await self._js.publish(
-                    subject, data, stream=self._stream, headers=headers, timeout=max(0.05, min(self._timeout, left))
-                )
-                return None
-            except _TRANSIENT as exc:
-                why = type(exc).__name__
-            except nats.js.errors.APIError as exc:
-                if not js_not_yet({"code": exc.code, "err_code": exc.err_code}):
-                    return f"refused: {exc}"
-                why = str(exc)
-            except Exception as exc:  # a closed connection, a broken stream: not something a repeat mends
-                return f"{type(exc).__name__}: {exc}"
-            if time.monotonic() + delay >= deadline:
-                return f"not acknowledged within {self._retry_s:g}s of retrying (last: {why})"
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+        try:
+            await retry_unavailable(
+                lambda: self._js.publish(subject, data, stream=self._stream, headers=headers, timeout=self._timeout),
+                self._retry_s,
+            )
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            return f"{reason} (sent again for up to {self._retry_s:g}s while unanswered)"
+        return None
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         """Wait for the publishes in flight (at shutdown, and in tests)."""

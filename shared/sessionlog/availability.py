@@ -21,7 +21,7 @@ from typing import Any, Final, ParamSpec, TypeVar
 import nats.errors
 import nats.js.errors
 
-from .errors import LogUnavailable, SessionLogError
+from .errors import LogUnavailable, SessionLogError, js_not_yet
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -63,13 +63,35 @@ def is_unanswered(err: BaseException) -> bool:
 
 async def retry_unanswered(call: Callable[[], Awaitable[R]], budget_s: float) -> R:
     """`call()`, made again while nobody answers it, until `budget_s` has passed; then its failure propagates."""
+    return await _again_while(is_unanswered, call, budget_s)
+
+
+async def retry_unavailable(call: Callable[[], Awaitable[R]], budget_s: float) -> R:
+    """`call()`, made again while the log does not answer it (`is_unavailable`, or a JetStream "not yet":
+    `js_not_yet`) until `budget_s` has passed; then its failure propagates, as does any other at once (a refusal, a
+    connection closed or closing). For writes that are harmless to repeat: a message with a `Nats-Msg-Id`, a KV put
+    of the same value."""
+    return await _again_while(_repeatable, call, budget_s)
+
+
+def _repeatable(err: BaseException) -> bool:
+    if isinstance(err, nats.errors.ConnectionClosedError | nats.errors.ConnectionDrainingError):
+        return False
+    if is_unavailable(err):
+        return True
+    if isinstance(err, nats.js.errors.APIError):
+        return js_not_yet({"code": err.code, "err_code": err.err_code})
+    return False
+
+
+async def _again_while(worth: Callable[[BaseException], bool], call: Callable[[], Awaitable[R]], budget_s: float) -> R:
     deadline = time.monotonic() + budget_s
     delay = 0.05
     while True:
         try:
             return await call()
         except Exception as err:
-            if not is_unanswered(err) or time.monotonic() + delay >= deadline:
+            if not worth(err) or time.monotonic() + delay >= deadline:
                 raise
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.5)

@@ -1,7 +1,9 @@
 """Checkpoints: the stream seq a feed has applied, kept in KV (`sessionlog-checkpoints`), and the quarantine
 entries kept beside them (`QuarantineList`). A write that fails is logged and counted
 (`sessionlog_projection_kv_write_failures_total`, by kind), never dropped silently: a failed checkpoint only costs
-a longer replay after a restart, since a later write covers it, but an operator must see that it is happening."""
+a longer replay after a restart, since a later write covers it, but an operator must see that it is happening. A
+quarantine entry, which no later write covers, is sent again while the log does not answer, for up to `retry_s`
+(`SESSIONLOG_PUBLISH_RETRY_S`), in the background."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
+from .availability import retry_unavailable
 from .errors import SessionLogError
 from .metrics import KV_WRITE_FAILURES, QUARANTINED
 from .quarantine import Quarantined, entries, key
@@ -27,13 +30,16 @@ log = logging.getLogger("sessionlog.checkpoints")
 class Checkpoints:
     """One projection's entries in the checkpoints bucket."""
 
-    def __init__(self, js: JetStreamContext, bucket: str, projection: str, replica_id: str) -> None:
+    def __init__(
+        self, js: JetStreamContext, bucket: str, projection: str, replica_id: str, *, retry_s: float = 30.0
+    ) -> None:
         # Built, not looked up (`js.key_value` asks the stream leader for its info, which a cluster without quorum
         # has not): checkpoints are read by direct get, and a start without quorum goes on to answer queries.
         self.kv: Any = KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=js, direct=True)
         self.bucket = bucket
         self.projection = projection
         self.replica_id = replica_id
+        self.retry_s = retry_s  # how long a quarantine entry is sent again while unanswered
         self._failures = {kind: KV_WRITE_FAILURES.labels(projection, kind) for kind in ("checkpoint", "quarantine")}
         self._writes: set[asyncio.Task[bool]] = set()
 
@@ -53,7 +59,7 @@ class Checkpoints:
     def quarantine(self, entry: Quarantined) -> None:
         """Keep a quarantine entry, in the background (the partition goes on meanwhile)."""
         task = asyncio.get_running_loop().create_task(
-            self._put("quarantine", key(self.projection, entry.stream_seq), entry.body())
+            self._put("quarantine", key(self.projection, entry.stream_seq), entry.body(), retry_s=self.retry_s)
         )
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
@@ -64,9 +70,9 @@ class Checkpoints:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
-    async def _put(self, kind: str, name: str, body: bytes) -> bool:
+    async def _put(self, kind: str, name: str, body: bytes, *, retry_s: float = 0.0) -> bool:
         try:
-            await self.kv.put(name, body)
+            await retry_unavailable(lambda: self.kv.put(name, body), retry_s)
         except asyncio.CancelledError:
             raise
         except Exception as err:

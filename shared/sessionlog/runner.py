@@ -120,7 +120,9 @@ class ProjectionRunner(Generic[S]):
         )
         self.feeds: dict[int, CheckpointedFeed] = {}  # the owned partitions' feeds
         self._extra_feeds: list[CheckpointedFeed] = []  # feeds a service follows beside them (`follow`)
-        self.checkpoints = Checkpoints(log_.js, self.settings.kv_checkpoints, self.name, self.replica_id)
+        self.checkpoints = Checkpoints(
+            log_.js, self.settings.kv_checkpoints, self.name, self.replica_id, retry_s=self.settings.publish_retry_s
+        )
         self.quarantine = QuarantineList(log_.nc, self.checkpoints, timeout=self.settings.request_timeout_s)
         leases = Leases(log_.js, self.settings.kv_leases, timeout=self.settings.request_timeout_s)
         self.claims: PartitionClaims | None = (

@@ -31,6 +31,7 @@ from sessionlog.checkpoints import Checkpoints
 from sessionlog.embedded import EmbeddedServer
 from sessionlog.errors import LogUnavailable, SessionLogError
 from sessionlog.log import SessionLog, SessionWriter
+from sessionlog.metrics import KV_WRITE_FAILURES
 from sessionlog.quarantine import Quarantined
 from sessionlog.quarantine import entries as quarantine_entries
 from sessionlog.record import H_RAW_KIND, H_RAW_REQUEST_ID, raw_subject
@@ -331,3 +332,20 @@ async def test_a_quarantine_entry_written_through_a_stall_is_sent_again_and_kept
         await asyncio.wait_for(checkpoints.settle(), WAIT_S)
         kept = await quarantine_entries(reader.nc, reader.settings.kv_checkpoints, projection=projection)
         assert [(e.stream_seq, e.session_id, e.reason) for e in kept] == [(7, "s-bad", "boom")]
+
+
+async def test_stopping_while_a_quarantine_entry_is_unanswered_gives_it_up_after_the_timeout_and_counts_it(
+    fresh_server: EmbeddedServer, proxy: FaultProxy
+) -> None:
+    async with Opened(proxy.url, request_timeout_s=0.3) as through:
+        log = await through.connect()
+        projection = f"p-{new_session_id()}"
+        checkpoints = Checkpoints(log.js, log.settings.kv_checkpoints, projection, "replica-1", retry_s=30.0)
+        failures = KV_WRITE_FAILURES.labels(projection, "quarantine")
+        proxy.stall()
+        try:
+            checkpoints.quarantine(Quarantined(stream_seq=9, session_id="s-bad", reason="boom", projection=projection))
+            await asyncio.wait_for(checkpoints.settle(0.5), WAIT_S)  # not the entry's 30 s budget
+            assert failures._value.get() == 1
+        finally:
+            proxy.resume()

@@ -8,7 +8,6 @@ quarantine entry, which no later write covers, is sent again while the log does 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -64,11 +63,24 @@ class Checkpoints:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def settle(self) -> None:
-        """Wait for the quarantine writes in flight."""
-        for task in list(self._writes):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+    async def settle(self, timeout_s: float | None = None) -> None:
+        """Wait for the quarantine writes in flight, at most `timeout_s`: a write still sent again then (the log
+        not answering at shutdown) is given up, logged and counted, so that stopping never waits out its budget."""
+        writes = list(self._writes)
+        if not writes:
+            return
+        _, pending = await asyncio.wait(writes, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+            self._failures["quarantine"].inc()
+        if pending:
+            log.warning(
+                "%s: %d quarantine writes given up at shutdown (the log did not answer within %ss)",
+                self.projection,
+                len(pending),
+                timeout_s,
+            )
+            await asyncio.wait(pending)
 
     async def _put(self, kind: str, name: str, body: bytes, *, retry_s: float = 0.0) -> bool:
         try:

@@ -191,7 +191,7 @@ class ProjectionRunner(Generic[S]):
         if self.claims is not None:
             await self.claims.stop()
         await self._unsubscribe()
-        await self.checkpoints.settle()
+        await self.checkpoints.settle(self.settings.request_timeout_s)
 
     async def abort(self) -> None:
         """Stop at once, as a process killed mid-work would: nothing is checkpointed, acknowledged or released

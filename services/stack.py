@@ -64,13 +64,17 @@ class Stack:
         stack = cls(log_, health)
         async with contextlib.AsyncExitStack() as on_failure:
             on_failure.push_async_callback(stack.stop)  # a service that does not start stops those before it
+            if health is not None:
+                # Answering from the first moment: each service live and not ready while it starts (a liveness
+                # probe does not kill a process that is starting); a port in use fails before any service starts.
+                for name in names:
+                    health.register(name, _starting)
+                await health.start()
             for name in names:
                 handle = await factory(name)(log_, options)
                 stack.handles[name] = handle
                 if health is not None:
                     health.register(name, handle.health)
-            if health is not None:
-                await health.start()
             on_failure.pop_all()
         return stack
 
@@ -82,6 +86,11 @@ class Stack:
         if self.health is not None:
             await self.health.stop()
         await self.log.close()
+
+
+def _starting() -> dict[str, Any]:
+    """A service's health until it has started."""
+    return {"live": True, "ready": False, "state": "starting"}
 
 
 async def run_until_signalled(names: list[str], settings: Settings, options: RunOptions, on_ready: Any = None) -> None:

@@ -45,6 +45,7 @@ from test_runner import (
     projection_name,
 )
 
+from services import stack as stack_module
 from services.repairer.service import RepairerService
 from services.stack import Stack
 from services.ui_replayer.service import UIReplayerService
@@ -555,3 +556,56 @@ async def test_a_record_under_an_id_the_api_refuses_is_quarantined_by_every_proj
     assert "CORRUPT_LOG" in why.stdout and "not a sessionlog record" in why.stdout, why.stdout
     fine = await asyncio.to_thread(cli, server.url, "quarantine", "check", healthy)
     assert fine.returncode == 0 and "readable" in fine.stdout, fine.stdout + fine.stderr
+
+
+async def test_a_stack_answers_health_while_its_services_start_live_and_not_ready(
+    own: tuple[EmbeddedServer, Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A liveness probe must not kill a process that is starting: the health server answers from the first moment,
+    each service live and not ready (`state: starting`) until it has started; ready once every one has."""
+    server, _ = own
+    settings = settings_for(server.url)
+    gate = asyncio.Event()
+    real = stack_module.factory
+
+    def gated(name: str) -> Any:
+        start = real(name)
+
+        async def slow(log: Any, options: Any) -> Any:
+            if name == "repairer":
+                await gate.wait()
+            return await start(log, options)
+
+        return slow
+
+    monkeypatch.setattr(stack_module, "factory", gated)
+    starting = asyncio.create_task(Stack.start(["context-deriver", "repairer"], settings))
+    port = settings.metrics_port
+
+    async def answering() -> bool:
+        try:
+            await asyncio.to_thread(http_json, port, "/healthz")
+        except OSError:
+            return False
+        return True
+
+    await eventually(answering, "the health server answers while the services start")
+    live, report = await asyncio.to_thread(http_json, port, "/healthz")
+    ready, _ = await asyncio.to_thread(http_json, port, "/readyz")
+    assert (live, ready) == (200, 503), report
+    components = report["components"]
+    assert components["repairer"] == {"live": True, "ready": False, "state": "starting"}, report
+    assert "quarantined" in components["context-deriver"], report  # started: its own health
+    gate.set()
+    stack = await asyncio.wait_for(starting, WAIT_S)
+    try:
+
+        async def ready_now() -> bool:
+            return (await asyncio.to_thread(http_json, port, "/readyz"))[0] == 200
+
+        await eventually(ready_now, "ready once every service started")
+        _, report = await asyncio.to_thread(http_json, port, "/readyz")
+        assert set(report["components"]) == {"context-deriver", "repairer"}
+        assert all(c.get("state") != "starting" for c in report["components"].values()), report
+    finally:
+        await stack.stop()

@@ -59,17 +59,23 @@ class Stack:
     @classmethod
     async def start(cls, names: list[str], settings: Settings, options: RunOptions | None = None) -> Stack:
         options = options or RunOptions()
-        log_ = await SessionLog.connect(settings)
         health = HealthServer(settings.metrics_host, settings.metrics_port) if settings.metrics_port else None
+        if health is not None:
+            # Answering from the first moment, before the log is reached: each service live and not ready until it
+            # has started (a liveness probe does not kill a process that is starting or waiting for its server); a
+            # port in use fails before anything else is done.
+            for name in names:
+                health.register(name, _starting)
+            await health.start()
+        try:
+            log_ = await SessionLog.connect(settings)
+        except BaseException:
+            if health is not None:
+                await health.stop()
+            raise
         stack = cls(log_, health)
         async with contextlib.AsyncExitStack() as on_failure:
             on_failure.push_async_callback(stack.stop)  # a service that does not start stops those before it
-            if health is not None:
-                # Answering from the first moment: each service live and not ready while it starts (a liveness
-                # probe does not kill a process that is starting); a port in use fails before any service starts.
-                for name in names:
-                    health.register(name, _starting)
-                await health.start()
             for name in names:
                 handle = await factory(name)(log_, options)
                 stack.handles[name] = handle

@@ -233,13 +233,16 @@ def test_the_scripted_provider_command_serves_its_script_until_terminated(tmp_pa
         ('[{"chunk_delay_s": -1}]', "Expected `float` >= 0.0 - at `$[0].chunk_delay_s`"),
         ('[{"status": 1000}]', "Expected `int` <= 599 - at `$[0].status`"),
         ('{"tool_calls": [{"id": "c1"}]}\n', "Object missing required field `name` - at `$[0].tool_calls[0]`"),
+        (b'[{"text": "\xff\xfe"}]', "not a script of replies: not UTF-8 text"),
     ],
 )
 def test_the_scripted_provider_command_refuses_a_bad_script_in_one_line(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str | None, expected: str
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str | bytes | None, expected: str
 ) -> None:
     script = tmp_path / "replies.json"
-    if content is not None:
+    if isinstance(content, bytes):
+        script.write_bytes(content)
+    elif content is not None:
         script.write_text(content)
     code = installed_main(["scripted-provider", "--script", str(script), "--port", str(free_port())])
     err = capsys.readouterr().err

@@ -501,7 +501,7 @@ async def test_a_three_node_cluster_elects_a_leader_and_serves_r3_streams(nats_c
         async def stored() -> bool:  # a new R3 stream may take a moment to elect its own leader
             try:
                 ack = await jsc.publish(in_subject("r3"), b"x")
-            except nats.js.errors.NoStreamResponseError:
+            except (nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError, TimeoutError):
                 return False
             return ack.stream == settings.stream
 

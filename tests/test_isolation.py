@@ -582,22 +582,23 @@ async def test_a_stack_answers_health_while_its_services_start_live_and_not_read
     starting = asyncio.create_task(Stack.start(["context-deriver", "repairer"], settings))
     port = settings.metrics_port
 
-    async def answering() -> bool:
+    async def first_started() -> bool:  # answering, and the context-deriver has started (its own health)
         try:
-            await asyncio.to_thread(http_json, port, "/healthz")
+            _, report = await asyncio.to_thread(http_json, port, "/healthz")
         except OSError:
             return False
-        return True
+        return "quarantined" in report["components"]["context-deriver"]
 
-    await eventually(answering, "the health server answers while the services start")
-    live, report = await asyncio.to_thread(http_json, port, "/healthz")
-    ready, _ = await asyncio.to_thread(http_json, port, "/readyz")
-    assert (live, ready) == (200, 503), report
-    components = report["components"]
-    assert components["repairer"] == {"live": True, "ready": False, "state": "starting"}, report
-    assert "quarantined" in components["context-deriver"], report  # started: its own health
-    gate.set()
-    stack = await asyncio.wait_for(starting, WAIT_S)
+    try:
+        await eventually(first_started, "the health server answers while the services start")
+        live, report = await asyncio.to_thread(http_json, port, "/healthz")
+        ready, _ = await asyncio.to_thread(http_json, port, "/readyz")
+        assert (live, ready) == (200, 503), report
+        components = report["components"]
+        assert components["repairer"] == {"live": True, "ready": False, "state": "starting"}, report
+    finally:
+        gate.set()
+        stack = await asyncio.wait_for(starting, WAIT_S)
     try:
 
         async def ready_now() -> bool:
@@ -609,3 +610,29 @@ async def test_a_stack_answers_health_while_its_services_start_live_and_not_read
         assert all(c.get("state") != "starting" for c in report["components"].values()), report
     finally:
         await stack.stop()
+
+
+async def test_a_stack_answers_health_while_it_waits_for_its_server_and_stops_answering_when_it_gives_up() -> None:
+    settings = settings_for(f"nats://127.0.0.1:{free_port()}")  # nothing listens there
+    port = settings.metrics_port
+    starting = asyncio.create_task(Stack.start(["context-deriver"], settings))
+    seen: list[tuple[int, Any]] = []
+
+    async def answered() -> bool:
+        try:
+            seen.append(await asyncio.to_thread(http_json, port, "/healthz"))
+        except OSError:
+            return starting.done()
+        return True
+
+    try:
+        await eventually(answered, "health answered while the server was being reached")
+    finally:
+        with pytest.raises(SessionLogError):
+            await asyncio.wait_for(starting, 60)
+    assert seen, "the health server never answered while the server was being reached"
+    status, report = seen[0]
+    assert status == 200 and report["components"]["context-deriver"]["state"] == "starting", report
+    assert report["ready"] is False
+    with pytest.raises(OSError):
+        await asyncio.to_thread(http_json, port, "/healthz")  # given up: the health server stopped with it

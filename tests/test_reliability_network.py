@@ -236,14 +236,15 @@ async def test_writers_on_a_busy_link_wait_for_their_acknowledgements_and_none_f
 # --- the gateway's raw tee ---------------------------------------------------------------------------------------
 
 
-async def teed(reader: SessionLog, session_id: str) -> list[tuple[str, str, bytes]]:
-    """(request id, kind, data) of every raw-tee message of a session, read over a direct connection."""
+async def teed(reader: SessionLog, session_id: str, count: int) -> list[tuple[str, str, bytes]]:
+    """(request id, kind, data) of the first `count` raw-tee messages of a session, read over a direct connection,
+    then whatever follows within half a second (none should)."""
     sub = await reader.js.subscribe(raw_subject(session_id), stream=reader.settings.raw_stream, ordered_consumer=True)
     out: list[tuple[str, str, bytes]] = []
     try:
         while True:
             try:
-                msg = await sub.next_msg(timeout=0.5)
+                msg = await sub.next_msg(timeout=WAIT_S if len(out) < count else 0.5)
             except nats.errors.TimeoutError:
                 return out
             headers = msg.headers or {}
@@ -286,7 +287,7 @@ async def test_the_raw_tee_sends_again_through_a_stall_or_a_dropped_connection_a
         proxy.resume()
         await tee.drain(timeout_s=WAIT_S)
         assert metrics.raw_tee_failures._value.get() == 0
-        stored = await teed(reader, session_id)
+        stored = await teed(reader, session_id, 8)
         expected = [(r, k, f"{'asked' if k == 'request' else 'answered'} {r}".encode())
                     for r in ["req-before", "req-0", "req-1", "req-2"] for k in ("request", "response")]  # fmt: skip
         assert sorted(stored) == sorted(expected)  # each once, none lost
@@ -296,6 +297,7 @@ async def test_the_raw_tee_sends_again_through_a_stall_or_a_dropped_connection_a
 async def test_a_raw_tee_outage_past_its_budget_or_its_backlog_is_counted_and_nothing_waits_for_it(
     fresh_server: EmbeddedServer, proxy: FaultProxy
 ) -> None:
+    """Bounded: an exchange past the backlog is refused at once, one past its budget is given up; both counted."""
     async with Opened(proxy.url) as through:
         log = await through.connect()
         metrics = GatewayMetrics()
@@ -310,6 +312,11 @@ async def test_a_raw_tee_outage_past_its_budget_or_its_backlog_is_counted_and_no
             await tee.drain(timeout_s=WAIT_S)
             assert metrics.raw_tee_failures._value.get() == 2  # the first, once its budget was spent
             assert tee.pending_bytes == 0
+            patient = RawTee(log.js, stream=log.settings.raw_stream, max_payload=log.nc.max_payload, metrics=metrics,
+                             timeout_s=0.2, retry_s=30.0)  # fmt: skip
+            patient.submit(session_id, exchange("req-at-shutdown"))
+            await asyncio.wait_for(patient.drain(timeout_s=0.5), WAIT_S)  # a stop does not wait out the 30 s
+            assert metrics.raw_tee_failures._value.get() == 3 and patient.pending_bytes == 0
         finally:
             proxy.resume()
 
@@ -335,7 +342,7 @@ async def test_a_quarantine_entry_written_through_a_stall_is_sent_again_and_kept
 
 
 async def test_stopping_while_a_quarantine_entry_is_unanswered_gives_it_up_after_the_timeout_and_counts_it(
-    fresh_server: EmbeddedServer, proxy: FaultProxy
+    fresh_server: EmbeddedServer, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with Opened(proxy.url, request_timeout_s=0.3) as through:
         log = await through.connect()
@@ -347,5 +354,8 @@ async def test_stopping_while_a_quarantine_entry_is_unanswered_gives_it_up_after
             checkpoints.quarantine(Quarantined(stream_seq=9, session_id="s-bad", reason="boom", projection=projection))
             await asyncio.wait_for(checkpoints.settle(0.5), WAIT_S)  # not the entry's 30 s budget
             assert failures._value.get() == 1
+            given_up = [r.getMessage() for r in caplog.records if "given up at shutdown" in r.getMessage()]
+            assert given_up == [f"{projection}: 1 quarantine writes given up at shutdown (the log did not answer "
+                                "within 0.5s)"], caplog.text  # fmt: skip
         finally:
             proxy.resume()

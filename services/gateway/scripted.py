@@ -78,6 +78,8 @@ class _Reply(Struct, forbid_unknown_fields=True):
 def check_script(replies: Any) -> list[dict[str, Any]]:
     """The replies of a decoded script, each checked against the reply fields; `ScriptError` names the first
     reply that does not fit (`$[2].delay_s`: the third reply's delay)."""
+    if isinstance(replies, tuple):
+        replies = list(replies)
     if not isinstance(replies, list):
         raise ScriptError(f"not a script of replies: a JSON array of reply objects, not {type(replies).__name__}")
     try:
@@ -89,7 +91,10 @@ def check_script(replies: Any) -> list[dict[str, Any]]:
 
 def load_script(path: Path) -> list[dict[str, Any]]:
     """Replies from a JSON array or a JSONL file (one reply per line; blank lines and `#` lines skipped), checked."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ScriptError(f"not a script of replies: not UTF-8 text ({err})") from None
     stripped = text.lstrip()
     try:
         if stripped.startswith("["):
@@ -110,7 +115,11 @@ class ScriptedProvider:
     """The provider's state: the script, the position in it, and what it received."""
 
     def __init__(
-        self, script: Iterable[dict[str, Any]] | Path | None = None, *, cycle: bool = False, model: str = "scripted"
+        self,
+        script: list[dict[str, Any]] | tuple[dict[str, Any], ...] | Path | None = None,
+        *,
+        cycle: bool = False,
+        model: str = "scripted",
     ) -> None:
         self._lock = threading.Lock()
         self._replies: list[dict[str, Any]] = []
@@ -122,9 +131,9 @@ class ScriptedProvider:
         self.completed = 0
         self.load(script if script is not None else [])
 
-    def load(self, script: Iterable[dict[str, Any]] | Path) -> None:
+    def load(self, script: list[dict[str, Any]] | tuple[dict[str, Any], ...] | Path) -> None:
         """Replace the script and start from its first reply."""
-        replies = load_script(script) if isinstance(script, Path) else check_script(list(script))
+        replies = load_script(script) if isinstance(script, Path) else check_script(script)
         with self._lock:
             self._replies = replies
             self._next = 0

@@ -11,9 +11,11 @@ Publishing runs in the background after the response completes, so the client ne
 publish that is not answered (a stalled or dropped connection, a stream electing its leader) is sent again until
 it is acknowledged, for up to `retry_s` (`SESSIONLOG_PUBLISH_RETRY_S`, as the writers'); `Nats-Msg-Id`
 (`<request id>:<kind>:<part>`) makes every repeat harmless, so an exchange is stored once however often it was
-sent. What is waiting to be teed is bounded (`max_pending_bytes`): past it, or past the budget, or when the server
-refuses outright, the exchange is not teed, and that is logged and counted (`sessionlog_gateway_raw_tee_failures`)
-(the audit then names the exchange it has no raw copy of).
+sent. At most `PUBLISHING` exchanges are published at once (after an outage the backlog goes out a few at a time on
+the connection the writers share), and what waits to be teed is bounded (`max_pending_bytes`). Past that bound
+an exchange is not teed at all; past the budget, on a refusal, or when the gateway stops (`drain`) the rest of it
+is not teed (what was acknowledged before stays). Each is logged and counted (`sessionlog_gateway_raw_tee_failures`);
+the audit's provider ledger then lacks that exchange.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from nats.js import JetStreamContext
 
 from sessionlog.availability import retry_unavailable
 from sessionlog.record import H_RAW_KIND, H_RAW_PART, H_RAW_PARTS, H_RAW_REQUEST_ID, raw_subject
+from sessionlog.tasks import BackgroundWrites
 
 from .metrics import GatewayMetrics
 
@@ -40,6 +43,7 @@ H_PARTS: Final = H_RAW_PARTS
 _HEADER_ROOM: Final = 4096
 # Bytes of exchanges waiting to be teed, at most (a long outage under load must not hold every body in memory).
 MAX_PENDING_BYTES: Final = 256 * 1024 * 1024
+PUBLISHING: Final = 8
 
 
 class RawTee:
@@ -64,12 +68,15 @@ class RawTee:
         self._retry_s = retry_s  # every attempt at one message
         self._max_pending = max_pending_bytes
         self.pending_bytes = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._writes = BackgroundWrites()
+        # Exchanges published at once, at most: after an outage the backlog goes out a few at a time, not all at
+        # once on the connection the writers share (each part sent again in full when its answer is late).
+        self._publishing = asyncio.Semaphore(PUBLISHING)
 
     def submit(self, session_id: str, entries: list[tuple[str, bytes, Mapping[str, str]]]) -> None:
         """Publish `(kind, data, headers)` entries in order, in the background."""
         size = sum(len(data) for _, data, _ in entries)
-        if self.pending_bytes + size > self._max_pending and self._tasks:
+        if self.pending_bytes + size > self._max_pending and len(self._writes):
             request_id = entries[0][2].get(H_REQUEST_ID, "") if entries else ""
             self._metrics.raw_tee_failures.inc()
             log.warning(
@@ -80,40 +87,42 @@ class RawTee:
             )
             return
         self.pending_bytes += size
-        task = asyncio.create_task(self._publish_all(session_id, entries, size), name=f"raw-tee-{session_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._writes.start(self._publish_all(session_id, entries, size), name=f"raw-tee-{session_id}")
 
     async def _publish_all(
         self, session_id: str, entries: list[tuple[str, bytes, Mapping[str, str]]], size: int
     ) -> None:
         subject = raw_subject(session_id)
         try:
-            for kind, data, headers in entries:
-                request_id = headers.get(H_REQUEST_ID, "")
-                parts = [data[i : i + self._part] for i in range(0, len(data), self._part)] or [b""]
-                for index, part in enumerate(parts):
-                    all_headers = {
-                        **headers,
-                        H_KIND: kind,
-                        H_PART: str(index),
-                        H_PARTS: str(len(parts)),
-                        "Nats-Msg-Id": f"{request_id}:{kind}:{index}",
-                    }
-                    failure = await self._publish(subject, part, all_headers)
-                    if failure is not None:
-                        self._metrics.raw_tee_failures.inc()
-                        log.warning(
-                            "raw tee of request %s (%s part %d) to %s failed: %s",
-                            request_id,
-                            kind,
-                            index,
-                            subject,
-                            failure,
-                        )
-                        return
+            async with self._publishing:
+                await self._publish_entries(subject, entries)
         finally:
             self.pending_bytes -= size
+
+    async def _publish_entries(self, subject: str, entries: list[tuple[str, bytes, Mapping[str, str]]]) -> None:
+        for kind, data, headers in entries:
+            request_id = headers.get(H_REQUEST_ID, "")
+            parts = [data[i : i + self._part] for i in range(0, len(data), self._part)] or [b""]
+            for index, part in enumerate(parts):
+                all_headers = {
+                    **headers,
+                    H_KIND: kind,
+                    H_PART: str(index),
+                    H_PARTS: str(len(parts)),
+                    "Nats-Msg-Id": f"{request_id}:{kind}:{index}",
+                }
+                failure = await self._publish(subject, part, all_headers)
+                if failure is not None:
+                    self._metrics.raw_tee_failures.inc()
+                    log.warning(
+                        "raw tee of request %s (%s part %d) to %s failed: %s",
+                        request_id,
+                        kind,
+                        index,
+                        subject,
+                        failure,
+                    )
+                    return
 
     async def _publish(self, subject: str, data: bytes, headers: dict[str, str]) -> str | None:
         """Publish until acknowledged; None once stored, else why not (the budget spent, or a refusal)."""
@@ -128,6 +137,9 @@ class RawTee:
         return None
 
     async def drain(self, timeout_s: float = 5.0) -> None:
-        """Wait for the publishes in flight (at shutdown, and in tests)."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        """Wait for the publishes in flight, at most `timeout_s` (at shutdown, and in tests); the exchanges still
+        being sent again then are given up, logged and counted."""
+        given_up = await self._writes.settle(timeout_s)
+        if given_up:
+            self._metrics.raw_tee_failures.inc(given_up)
+            log.warning("raw tee: %d exchanges given up at shutdown (not acknowledged within %ss)", given_up, timeout_s)

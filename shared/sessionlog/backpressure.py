@@ -151,8 +151,11 @@ class PublishWindow:
         # An answer is progress whoever it reaches, and whatever it says but "not yet": one to an earlier copy of a
         # record that was sent again (when the record has landed meanwhile, a copy is refused as "wrong last
         # sequence") shows the server working through the queue as much as one that reaches its record.
+        # Only a record stored says the ones sent before it were lost when they are still unanswered: a leader may
+        # refuse a copy at once, ahead of acknowledgements still waiting for their quorum.
         if not _no_responders(msg) and not _not_yet(msg.data):
-            self._latest = max(self._latest, ticket)
+            if not msg.data.startswith(b'{"error"'):
+                self._latest = max(self._latest, ticket)
             self._answers += 1
             self._answered_at = time.monotonic()
         wake = self._waiting.get(ticket)

@@ -22,6 +22,7 @@ from .availability import retry_unavailable
 from .errors import SessionLogError
 from .metrics import KV_WRITE_FAILURES, QUARANTINED
 from .quarantine import Quarantined, entries, key
+from .tasks import BackgroundWrites
 
 log = logging.getLogger("sessionlog.checkpoints")
 
@@ -40,7 +41,7 @@ class Checkpoints:
         self.replica_id = replica_id
         self.retry_s = retry_s  # how long a quarantine entry is sent again while unanswered
         self._failures = {kind: KV_WRITE_FAILURES.labels(projection, kind) for kind in ("checkpoint", "quarantine")}
-        self._writes: set[asyncio.Task[bool]] = set()
+        self._writes = BackgroundWrites()
 
     async def read(self, name: str) -> int:
         """The stream seq checkpointed under `name` (0: none)."""
@@ -57,30 +58,21 @@ class Checkpoints:
 
     def quarantine(self, entry: Quarantined) -> None:
         """Keep a quarantine entry, in the background (the partition goes on meanwhile)."""
-        task = asyncio.get_running_loop().create_task(
-            self._put("quarantine", key(self.projection, entry.stream_seq), entry.body(), retry_s=self.retry_s)
-        )
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        name = key(self.projection, entry.stream_seq)
+        self._writes.start(self._put("quarantine", name, entry.body(), retry_s=self.retry_s), name=f"keep {name}")
 
     async def settle(self, timeout_s: float | None = None) -> None:
         """Wait for the quarantine writes in flight, at most `timeout_s`: a write still sent again then (the log
         not answering at shutdown) is given up, logged and counted, so that stopping never waits out its budget."""
-        writes = list(self._writes)
-        if not writes:
-            return
-        _, pending = await asyncio.wait(writes, timeout=timeout_s)
-        for task in pending:
-            task.cancel()
-            self._failures["quarantine"].inc()
-        if pending:
+        given_up = await self._writes.settle(timeout_s)
+        if given_up:
+            self._failures["quarantine"].inc(given_up)
             log.warning(
                 "%s: %d quarantine writes given up at shutdown (the log did not answer within %ss)",
                 self.projection,
-                len(pending),
+                given_up,
                 timeout_s,
             )
-            await asyncio.wait(pending)
 
     async def _put(self, kind: str, name: str, body: bytes, *, retry_s: float = 0.0) -> bool:
         try:

@@ -44,3 +44,33 @@ def detach(coroutine: Any, name: str | None = None) -> asyncio.Task[Any]:
 
     task.add_done_callback(done)
     return task
+
+
+class BackgroundWrites:
+    """Writes that run in the background, each in a task of its own (the caller goes on), and that a stop settles
+    within a bound: whatever is still being sent again then (the log not answering) is cancelled, not waited out."""
+
+    __slots__ = ("_tasks",)
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def start(self, coroutine: Any, name: str | None = None) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def settle(self, timeout_s: float | None) -> int:
+        """Wait for the writes in flight, at most `timeout_s`; cancel the ones still running and return how many
+        were given up."""
+        tasks = list(self._tasks)
+        if not tasks:
+            return 0
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in pending:
+            await cancel_and_wait(task)
+        return len(pending)

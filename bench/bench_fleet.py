@@ -211,9 +211,11 @@ class Replica:
         try:
             reply = await client.get(f"http://127.0.0.1:{self.port}/healthz", timeout=2.0)
             component: dict[str, Any] = reply.json()["components"][self.projection]
-            return component
         except (httpx.HTTPError, ValueError, KeyError):
             return None
+        if component.get("state") == "starting":
+            return None  # its health server answers, its projection has not started: it owns nothing yet
+        return component
 
 
 def _stamp(headers: dict[str, str]) -> float | None:

@@ -3,6 +3,7 @@ number in each: the suite is proved to work; no time is asserted (the figures co
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import subprocess
@@ -144,3 +145,30 @@ def test_the_synthetic_sessions_are_ones_a_faithful_agent_would_log() -> None:
         assert report.chunks > 0, name
         assert [f.code for f in report.findings] == [], (name, report.findings[:2])
         assert report.ledger.total.output_tokens > 0, name
+
+
+async def test_a_fleet_replica_still_starting_is_sampled_as_owning_nothing(tmp_path: Path) -> None:
+    """A replica answers health before its projection has started (`state: starting`, no partitions): the fleet's
+    sampler reads it as not answering yet, not as a component to read partitions from (a full run's fleet failed
+    with KeyError 'partitions' on a replica added midway)."""
+    import httpx
+
+    from bench.bench_fleet import Replica
+    from sessionlog.embedded import free_port
+
+    replica = Replica("context-deriver", 0, f"nats://127.0.0.1:{free_port()}", tmp_path, 1)  # no server there
+    try:
+        async with httpx.AsyncClient() as client:
+            answered: list[dict[str, Any]] = []
+            for _ in range(200):  # bounded: the process answers within a second or two of starting
+                try:
+                    reply = await client.get(f"http://127.0.0.1:{replica.port}/healthz", timeout=1.0)
+                    answered.append(reply.json()["components"]["context-deriver"])
+                    break
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.05)
+            assert answered == [{"live": True, "ready": False, "state": "starting"}], answered
+            assert await replica.health(client) is None
+    finally:
+        replica.proc.kill()
+        replica.proc.wait(10)

@@ -222,3 +222,50 @@ async def test_answers_to_records_already_sent_again_are_progress_that_keeps_the
         await client.publish(reply, b"a later copy")
     answer = await asyncio.wait_for(task, timeout=budget_s)
     assert answer.data == b"a later copy"
+
+
+async def test_a_teed_message_whose_answer_is_late_is_kept_while_the_connection_is_answered(
+    client: Client, nats_server: EmbeddedServer
+) -> None:
+    """The raw tee publishes through the writers' window (`RecordStore.publish_raw`): a message whose answer is late
+    while other messages of its connection are answered is sent again and kept, not given up once its own budget
+    passed (each message used to have a budget of its own: a server busy but answering lost the audit)."""
+    from services.gateway.metrics import GatewayMetrics
+    from services.gateway.tee import RawTee
+    from sessionlog.reader import StreamReader
+    from sessionlog.record import raw_subject
+    from sessionlog.settings import Settings
+    from sessionlog.store import RecordStore
+
+    session_id = new_session_id("tee")
+    subject = raw_subject(session_id)
+    stored: list[bytes] = []
+
+    class Acks(Responder):
+        """Answers as JetStream does (a stream seq), holding the answers to held payloads."""
+
+        async def _answer(self, msg: Msg) -> None:
+            self.replies.append(msg.reply)
+            if msg.data in self.hold:
+                return
+            stored.append(msg.data)
+            await self.nc.publish(msg.reply, b'{"stream": "RAW", "seq": %d}' % len(stored))
+
+    responder = await Acks(client, subject).start()
+    responder.hold.add(b"answered late")
+    store = RecordStore(client, Settings(_env_file=None, nats_url=nats_server.url), StreamReader(client, "RAW"))
+    metrics = GatewayMetrics()
+    budget_s = 0.6
+    tee = RawTee(store, stream="RAW", max_payload=client.max_payload, metrics=metrics, attempt_s=0.15,
+                 retry_s=budget_s)  # fmt: skip
+    tee.submit(session_id, [("request", b"answered late", {"Sessionlog-Request-Id": "late"})])
+    for n in range(int(3 * budget_s / 0.1)):  # three budgets of other messages, each answered at once
+        other = await store.publish_raw(subject, b"other %d" % n, {}, budget_s=budget_s, attempt_s=0.15)
+        assert stored[other - 1] == b"other %d" % n
+        await asyncio.sleep(0.1)
+    copies = sum(1 for reply in responder.replies if reply) - len(stored)
+    assert copies >= 3, copies  # sent again while held: its first budget has long passed
+    responder.hold.clear()
+    await tee.drain(timeout_s=5.0)
+    assert b"answered late" in stored
+    assert metrics.raw_tee_failures._value.get() == 0

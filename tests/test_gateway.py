@@ -643,7 +643,7 @@ async def test_a_large_request_is_teed_in_parts(provisioned: Settings, log: Sess
     from services.gateway.metrics import GatewayMetrics
     from services.gateway.tee import RawTee
 
-    tee = RawTee(log.js, stream=provisioned.raw_stream, max_payload=8192, metrics=GatewayMetrics())
+    tee = RawTee(log.store, stream=provisioned.raw_stream, max_payload=8192, metrics=GatewayMetrics())
     session_id = new_session_id("tee")
     data = bytes(range(256)) * 100
     tee.submit(session_id, [("request", data, {"Sessionlog-Request-Id": "req-x"})])
@@ -660,6 +660,37 @@ async def test_a_large_request_is_teed_in_parts(provisioned: Settings, log: Sess
         await sub.unsubscribe()
     assert len(parts) == 7 and all(p.headers["Sessionlog-Parts"] == "7" for p in parts)  # type: ignore[index]
     assert b"".join(p.data for p in parts) == data
+
+
+async def test_a_raw_message_is_stored_once_however_often_it_is_sent_and_a_refusal_is_not_sent_again(
+    provisioned: Settings, log: SessionLog
+) -> None:
+    """The tee's path (`RecordStore.publish_raw`, through the writers' publish window): a message sent again with
+    its message id is the one stored message; a refusal (here: the wrong stream expected) ends it at once, not after
+    the budget; a full stream is `LOG_FULL`."""
+    from sessionlog.errors import LogFull, LogUnavailable
+
+    subject = raw_subject(new_session_id("raw"))
+    headers = {"Nats-Msg-Id": f"{uuid.uuid4()}:request:0", "Nats-Expected-Stream": provisioned.raw_stream}
+    first = await log.store.publish_raw(subject, b"asked", headers, budget_s=5.0, attempt_s=1.0)
+    again = await log.store.publish_raw(subject, b"asked", headers, budget_s=5.0, attempt_s=1.0)
+    assert again == first
+    info = await log.js.get_msg(provisioned.raw_stream, subject=subject)
+    assert info.seq == first and info.data == b"asked"
+    wrong = {**headers, "Nats-Msg-Id": f"{uuid.uuid4()}:request:0", "Nats-Expected-Stream": "NOT_THIS_ONE"}
+    with pytest.raises(LogUnavailable, match="refused"):
+        # a budget far past the wait: a refusal sent again until the budget ran out would time the wait out
+        await asyncio.wait_for(log.store.publish_raw(subject, b"asked", wrong, budget_s=120.0, attempt_s=1.0), 10)
+    full = f"FULL_{uuid.uuid4().hex[:8]}"
+    await log.js.add_stream(name=full, subjects=[f"{full}.>"], max_msgs=1, discard="new")
+    try:
+        await log.store.publish_raw(f"{full}.x", b"one", {"Nats-Msg-Id": "one"}, budget_s=5.0, attempt_s=1.0)
+        with pytest.raises(LogFull):
+            await asyncio.wait_for(
+                log.store.publish_raw(f"{full}.x", b"two", {"Nats-Msg-Id": "two"}, budget_s=120.0, attempt_s=1.0), 10
+            )
+    finally:
+        await log.js.delete_stream(full)
 
 
 # ---------------------------------------------------------------------------------------------- SDK, auth, health

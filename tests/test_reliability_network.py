@@ -272,8 +272,8 @@ async def test_the_raw_tee_sends_again_through_a_stall_or_a_dropped_connection_a
         reader = await direct.connect()
         log = await through.connect()
         metrics = GatewayMetrics()
-        tee = RawTee(log.js, stream=log.settings.raw_stream, max_payload=log.nc.max_payload, metrics=metrics,
-                     timeout_s=0.3, retry_s=10.0)  # fmt: skip
+        tee = RawTee(log.store, stream=log.settings.raw_stream, max_payload=log.nc.max_payload, metrics=metrics,
+                     attempt_s=0.3, retry_s=10.0)  # fmt: skip
         session_id = new_session_id("tee")
         tee.submit(session_id, exchange("req-before"))
         await tee.drain()
@@ -301,8 +301,8 @@ async def test_a_raw_tee_outage_past_its_budget_or_its_backlog_is_counted_and_no
     async with Opened(proxy.url) as through:
         log = await through.connect()
         metrics = GatewayMetrics()
-        tee = RawTee(log.js, stream=log.settings.raw_stream, max_payload=log.nc.max_payload, metrics=metrics,
-                     timeout_s=0.2, retry_s=1.0, max_pending_bytes=40)  # fmt: skip
+        tee = RawTee(log.store, stream=log.settings.raw_stream, max_payload=log.nc.max_payload, metrics=metrics,
+                     attempt_s=0.2, retry_s=1.0, max_pending_bytes=40)  # fmt: skip
         session_id = new_session_id("tee")
         proxy.stall()
         try:
@@ -312,8 +312,8 @@ async def test_a_raw_tee_outage_past_its_budget_or_its_backlog_is_counted_and_no
             await tee.drain(timeout_s=WAIT_S)
             assert metrics.raw_tee_failures._value.get() == 2  # the first, once its budget was spent
             assert tee.pending_bytes == 0
-            patient = RawTee(log.js, stream=log.settings.raw_stream, max_payload=log.nc.max_payload, metrics=metrics,
-                             timeout_s=0.2, retry_s=30.0)  # fmt: skip
+            patient = RawTee(log.store, stream=log.settings.raw_stream, max_payload=log.nc.max_payload, metrics=metrics,
+                             attempt_s=0.2, retry_s=30.0)  # fmt: skip
             patient.submit(session_id, exchange("req-at-shutdown"))
             await asyncio.wait_for(patient.drain(timeout_s=0.5), WAIT_S)  # a stop does not wait out the 30 s
             assert metrics.raw_tee_failures._value.get() == 3 and patient.pending_bytes == 0

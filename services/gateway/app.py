@@ -155,11 +155,11 @@ class Gateway:
                 )
         if self.config.raw_tee:
             self._tee = RawTee(
-                log_.js,
+                log_.store,
                 stream=self.config.raw_stream,
                 max_payload=log_.nc.max_payload,
                 metrics=self.metrics,
-                timeout_s=log_.settings.request_timeout_s,
+                attempt_s=max(0.05, log_.settings.request_timeout_s / 3),  # one attempt, as a record's
                 retry_s=log_.settings.publish_retry_s,
             )
             self.forwarder.tee = self._tee

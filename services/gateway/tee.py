@@ -7,15 +7,17 @@ the session seq the invariant was checked at (`Sessionlog-Session-Seq`), the rou
 upstream status and the outcome. An entry larger than one NATS message is split into parts
 (`Sessionlog-Part` 0-based, `Sessionlog-Parts`), concatenated in order by a reader.
 
-Publishing runs in the background after the response completes, so the client never waits for the audit. A
-publish that is not answered (a stalled or dropped connection, a stream electing its leader) is sent again until
-it is acknowledged, for up to `retry_s` (`SESSIONLOG_PUBLISH_RETRY_S`, as the writers'); `Nats-Msg-Id`
-(`<request id>:<kind>:<part>`) makes every repeat harmless, so an exchange is stored once however often it was
-sent. At most `PUBLISHING` exchanges are published at once (after an outage the backlog goes out a few at a time on
-the connection the writers share), and what waits to be teed is bounded (`max_pending_bytes`). Past that bound
-an exchange is not teed at all; past the budget, on a refusal, or when the gateway stops (`drain`) the rest of it
-is not teed (what was acknowledged before stays). Each is logged and counted (`sessionlog_gateway_raw_tee_failures`);
-the audit's provider ledger then lacks that exchange.
+Publishing runs in the background after the response completes, so the client never waits for the audit. Each
+message goes through the connection's publish window, as the writers' records do (`RecordStore.publish_raw`,
+`sessionlog.backpressure`): one that is not answered (a stalled or dropped connection, a stream electing its
+leader) is sent again until it is acknowledged, and given up once `retry_s` (`SESSIONLOG_PUBLISH_RETRY_S`, as the
+writers') passed with no acknowledgement on the connection, so a server that is busy but answering does not lose
+the audit. `Nats-Msg-Id` (`<request id>:<kind>:<part>`) makes every repeat harmless, so an exchange is stored once
+however often it was sent. At most `PUBLISHING` exchanges are published at once (after an outage the backlog goes
+out a few at a time on the connection the writers share), and what waits to be teed is bounded
+(`max_pending_bytes`). Past that bound an exchange is not teed at all; past the budget, on a refusal, or when the
+gateway stops (`drain`) the rest of it is not teed (what was acknowledged before stays). Each is logged and counted
+(`sessionlog_gateway_raw_tee_failures`); the audit's provider ledger then lacks that exchange.
 """
 
 from __future__ import annotations
@@ -25,10 +27,8 @@ import logging
 from collections.abc import Mapping
 from typing import Final
 
-from nats.js import JetStreamContext
-
-from sessionlog.availability import retry_unavailable
 from sessionlog.record import H_RAW_KIND, H_RAW_PART, H_RAW_PARTS, H_RAW_REQUEST_ID, raw_subject
+from sessionlog.store import RecordStore
 from sessionlog.tasks import BackgroundWrites
 
 from .metrics import GatewayMetrics
@@ -51,21 +51,21 @@ class RawTee:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        store: RecordStore,
         *,
         stream: str,
         max_payload: int,
         metrics: GatewayMetrics,
-        timeout_s: float = 5.0,
+        attempt_s: float = 5.0 / 3,
         retry_s: float = 30.0,
         max_pending_bytes: int = MAX_PENDING_BYTES,
     ) -> None:
-        self._js = js
+        self._store = store
         self._stream = stream
         self._part = max(1024, max_payload - _HEADER_ROOM)
         self._metrics = metrics
-        self._timeout = timeout_s  # one attempt
-        self._retry_s = retry_s  # every attempt at one message
+        self._attempt_s = attempt_s  # one attempt: then the message is sent again, if the window says so
+        self._retry_s = retry_s  # no acknowledgement on the connection for this long: the message is given up
         self._max_pending = max_pending_bytes
         self.pending_bytes = 0
         self._writes = BackgroundWrites()
@@ -110,6 +110,7 @@ class RawTee:
                     H_PART: str(index),
                     H_PARTS: str(len(parts)),
                     "Nats-Msg-Id": f"{request_id}:{kind}:{index}",
+                    "Nats-Expected-Stream": self._stream,
                 }
                 failure = await self._publish(subject, part, all_headers)
                 if failure is not None:
@@ -127,13 +128,10 @@ class RawTee:
     async def _publish(self, subject: str, data: bytes, headers: dict[str, str]) -> str | None:
         """Publish until acknowledged; None once stored, else why not (the budget spent, or a refusal)."""
         try:
-            await retry_unavailable(
-                lambda: self._js.publish(subject, data, stream=self._stream, headers=headers, timeout=self._timeout),
-                self._retry_s,
-            )
+            await self._store.publish_raw(subject, data, headers, budget_s=self._retry_s, attempt_s=self._attempt_s)
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            return f"{reason} (sent again for up to {self._retry_s:g}s while unanswered)"
+            return f"{reason} (sent again while unanswered, for up to {self._retry_s:g}s without an acknowledgement)"
         return None
 
     async def drain(self, timeout_s: float = 5.0) -> None:

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -40,6 +40,7 @@ from .errors import (
     LogUnavailable,
     PurgeRefused,
     SessionAlreadyExists,
+    SessionLogError,
     SessionNotFound,
     js_not_yet,
 )
@@ -195,26 +196,72 @@ class RecordStore:
             expected_last=expected_last,
             open_turn=open_turn,
         )
+        subject = in_subject(session_id)
+        return await self._until_stored(
+            subject,
+            payload,
+            headers,
+            lambda data, timed_out: self._answered(session_id, data, headers, first_seq, epoch, timed_out=timed_out),
+            lambda budget: LogUnavailable(
+                f"session {session_id}: no acknowledgement for seqs {first_seq}..{first_seq + len(events) - 1} "
+                f"within {budget:g}s of retrying (the cluster may have lost quorum); nothing after seq "
+                f"{first_seq - 1} is reported written"
+            ),
+            timed_out=in_doubt,
+        )
+
+    async def publish_raw(
+        self, subject: str, data: bytes, headers: dict[str, str], *, budget_s: float, attempt_s: float
+    ) -> int:
+        """Publish one message that carries its own `Nats-Msg-Id` (the gateway's raw tee) through the same window
+        as the records: sent again until acknowledged, `budget_s` counting from the connection's last
+        acknowledgement (`backpressure.py`); its stream seq. Raises `LOG_UNAVAILABLE` (unanswered within the
+        budget, or refused) or `LOG_FULL`."""
+
+        async def answered(answer: bytes, timed_out: bool) -> int:
+            return self._raw_answered(subject, answer)
+
+        return await self._until_stored(
+            subject,
+            data,
+            headers,
+            answered,
+            lambda budget: LogUnavailable(
+                f"{subject}: no acknowledgement for message {headers.get('Nats-Msg-Id')} within {budget:g}s of retrying"
+            ),
+            budget_s=budget_s,
+            attempt_s=attempt_s,
+        )
+
+    async def _until_stored(
+        self,
+        subject: str,
+        payload: bytes,
+        headers: dict[str, str],
+        answered: Callable[[bytes, bool], Awaitable[int]],
+        gave_up: Callable[[float], SessionLogError],
+        *,
+        timed_out: bool = False,
+        budget_s: float | None = None,
+        attempt_s: float | None = None,
+    ) -> int:
+        """Send one message through the window until `answered` makes its answer a stream seq (or raises);
+        `_Retry` from it, or no answer within an attempt, sends it again while the budget lasts. `timed_out`: an
+        earlier attempt may already have landed (passed on to `answered`)."""
         settings = self._settings
         # The budget of the whole publish is not one request's timeout: it must outlast a leader election. Each
         # attempt waits a third of a request timeout, so a publish lost in the election is sent again soon; the
         # same message id makes every repeat harmless.
-        budget = settings.publish_retry_s
+        budget = settings.publish_retry_s if budget_s is None else budget_s
         started = time.monotonic()
         window = self._window  # the budget counts from the connection's last acknowledgement
         cap = window.cap(budget, settings.duplicate_window_s)
-        attempt_timeout = max(0.05, settings.request_timeout_s / 3)
-        timed_out = in_doubt
+        attempt_timeout = max(0.05, settings.request_timeout_s / 3) if attempt_s is None else attempt_s
         delay = 0.02
-        subject = in_subject(session_id)
         while True:
             remaining = window.remaining(started, budget, cap)
             if remaining <= 0:
-                raise LogUnavailable(
-                    f"session {session_id}: no acknowledgement for seqs {first_seq}..{first_seq + len(events) - 1} "
-                    f"within {budget:g}s of retrying (the cluster may have lost quorum); nothing after seq "
-                    f"{first_seq - 1} is reported written"
-                )
+                raise gave_up(budget)
             try:
                 reply = await window.request(
                     subject, payload, headers, attempt_s=attempt_timeout, started=started, budget_s=budget, cap_s=cap
@@ -228,12 +275,30 @@ class RecordStore:
                 reply = None
             if reply is not None:
                 try:
-                    return await self._answered(session_id, reply.data, headers, first_seq, epoch, timed_out=timed_out)
+                    return await answered(reply.data, timed_out)
                 except _Retry:
                     pass
             timed_out = True
             await asyncio.sleep(min(delay, max(0.0, window.remaining(started, budget, cap))))
             delay = min(delay * 2, 0.5)
+
+    def _raw_answered(self, subject: str, data: bytes) -> int:
+        """A raw message's answer: its stream seq (a duplicate is the same message stored by an earlier attempt),
+        a refusal raised, or `_Retry`."""
+        try:
+            ack = _pub_ack.decode(data)
+        except msgspec.DecodeError as exc:
+            raise LogUnavailable(
+                f"{subject}: publish answered with something that is not a JetStream ack ({exc})"
+            ) from None
+        error = ack.error
+        if error is None:
+            return ack.seq
+        if error.get("err_code") in JS_STORE_FULL:
+            raise LogFull(f"{subject}: the stream is full and refuses new messages ({error.get('description')})")
+        if js_not_yet(error):
+            raise _Retry
+        raise LogUnavailable(f"{subject}: publish refused: {error}")
 
     async def _answered(
         self, session_id: str, data: bytes, headers: dict[str, str], first_seq: int, epoch: int, *, timed_out: bool

@@ -90,6 +90,15 @@ def goals(r: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(_row("record mode p99 minus pass-through proxy p99, 100 messages", "<= 1 ms", v,
                          _judge(v, lambda x: x <= 1.0), "bench_gateway",
                          ", ".join(f"{k}: {x:.2f}" for k, x in diffs.items() if x is not None)))  # fmt: skip
+        transit = get(record, "chunk_lag.transit_ms") or {}
+        logged, unlogged = get(transit, "record.p50"), get(transit, "without_logging.p50")
+        v = logged / unlogged if logged and unlogged else None
+        detail = ""
+        if v is not None:
+            detail = (f"p50 {logged:.2f} vs {unlogged:.2f} ms, p99 {get(transit, 'record.p99'):.2f} vs "
+                      f"{get(transit, 'without_logging.p99'):.2f} ms")  # fmt: skip
+        rows.append(_row("streamed chunk transit p50, record mode vs the gateway without logging (issue 13)",
+                         "<= 1x", v, _judge(v, lambda x: x <= 1.0), "bench_gateway", detail))  # fmt: skip
     for where in ("single", "cluster"):
         fleet = get(r, f"bench_fleet.{where}")
         if not fleet or "error" in fleet:

@@ -4,6 +4,7 @@ process's server: what keeps its pool healthy when connections end, and how its 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -127,3 +128,25 @@ def test_a_script_is_checked_when_it_is_loaded_and_a_bad_one_changes_nothing(
         assert "not a script of replies" in answer.json()["error"]["message"]
     reply = httpx.post(server.url + "/v1/chat/completions", content=BODY)
     assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "kept"
+
+
+def test_stamped_chunks_carry_when_each_was_sent_and_a_stamp_that_is_not_a_bool_is_refused(
+    provider: tuple[ScriptedProvider, ServerThread],
+) -> None:
+    """`stamp_chunks` (the benchmarks' per-chunk transit): each streamed chunk says when it was sent, on the
+    machine's monotonic clock; without it nothing is added."""
+    scripted, server = provider
+    with pytest.raises(ScriptError, match=r"Expected `bool`, got `str` - at `\$\[0\].stamp_chunks`"):
+        scripted.load([{"text": "a b", "stamp_chunks": "yes"}])
+    scripted.load([{"text": "one two three", "stamp_chunks": True, "chunk_delay_s": 0.01}, {"text": "plain"}])
+    stream = msgspec.json.encode({**msgspec.json.decode(BODY), "stream": True})
+    before = time.monotonic_ns()
+    body = httpx.post(server.url + "/v1/chat/completions", content=stream).content
+    after = time.monotonic_ns()
+    chunks = [msgspec.json.decode(line[6:]) for line in body.split(b"\n\n") if line.startswith(b"data: {")]
+    sent = [int(c["system_fingerprint"].removeprefix("sent_ns=")) for c in chunks]
+    assert len(sent) == len(chunks) >= 4
+    assert before <= sent[0] and sent == sorted(sent) and sent[-1] <= after
+    assert sent[2] - sent[1] >= 10_000_000  # the chunk delay lies between two stamps
+    plain = httpx.post(server.url + "/v1/chat/completions", content=stream).content
+    assert b"system_fingerprint" not in plain

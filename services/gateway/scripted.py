@@ -14,7 +14,9 @@ A script is a JSON array or JSONL file of replies, used in order (`cycle` repeat
 - `delay_s`: wait before answering at all; `chunk_delay_s`: wait between streamed chunks; `end_delay_s`: keep the
   streamed body open that long after `data: [DONE]` (a provider whose stream ends after its last line);
 - `status` and `error`: answer that HTTP status with an OpenAI-style error instead;
-- `disconnect_after`: drop the connection after that many streamed chunks.
+- `disconnect_after`: drop the connection after that many streamed chunks;
+- `stamp_chunks`: each streamed chunk's `system_fingerprint` is `sent_ns=<CLOCK_MONOTONIC in ns>` as it is sent,
+  so a client on the same machine can tell how long each chunk took to reach it (the benchmarks do).
 
 When the script is used up the provider answers 500 "script exhausted". `GET /v1/models` lists its one model;
 `GET /_scripted/requests` returns the bodies received; `POST /_scripted/script` replaces the script.
@@ -73,6 +75,7 @@ class _Reply(Struct, forbid_unknown_fields=True):
     status: Annotated[int, Meta(ge=100, le=599)] = 200
     error: str | None = None
     disconnect_after: Annotated[int, Meta(ge=0)] | None = None
+    stamp_chunks: bool = False
 
 
 def check_script(replies: Any) -> list[dict[str, Any]]:
@@ -187,6 +190,7 @@ class ScriptedProvider:
     async def _stream(self, reply: dict[str, Any], model: str, include_usage: bool, size: int) -> AsyncIterator[bytes]:
         chunk_delay = float(reply.get("chunk_delay_s", 0))
         drop_after = reply.get("disconnect_after")
+        stamp = bool(reply.get("stamp_chunks"))
         sent = 0
         try:
             for chunk in _chunks(reply, model, include_usage, size):
@@ -194,6 +198,8 @@ class ScriptedProvider:
                     raise _Dropped("scripted disconnect")
                 if sent and chunk_delay:
                     await asyncio.sleep(chunk_delay)
+                if stamp:
+                    chunk = {**chunk, "system_fingerprint": f"sent_ns={time.monotonic_ns()}"}
                 yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
                 sent += 1
             yield b"data: [DONE]\n\n"

@@ -159,7 +159,6 @@ class Gateway:
                 stream=self.config.raw_stream,
                 max_payload=log_.nc.max_payload,
                 metrics=self.metrics,
-                attempt_s=max(0.05, log_.settings.request_timeout_s / 3),  # one attempt, as a record's
                 retry_s=log_.settings.publish_retry_s,
             )
             self.forwarder.tee = self._tee

@@ -56,7 +56,7 @@ class RawTee:
         stream: str,
         max_payload: int,
         metrics: GatewayMetrics,
-        attempt_s: float = 5.0 / 3,
+        attempt_s: float | None = None,
         retry_s: float = 30.0,
         max_pending_bytes: int = MAX_PENDING_BYTES,
     ) -> None:
@@ -64,7 +64,7 @@ class RawTee:
         self._stream = stream
         self._part = max(1024, max_payload - _HEADER_ROOM)
         self._metrics = metrics
-        self._attempt_s = attempt_s  # one attempt: then the message is sent again, if the window says so
+        self._attempt_s = attempt_s  # one attempt (None: a record's), then sent again if the window says so
         self._retry_s = retry_s  # no acknowledgement on the connection for this long: the message is given up
         self._max_pending = max_pending_bytes
         self.pending_bytes = 0

@@ -211,12 +211,12 @@ class RecordStore:
         )
 
     async def publish_raw(
-        self, subject: str, data: bytes, headers: dict[str, str], *, budget_s: float, attempt_s: float
+        self, subject: str, data: bytes, headers: dict[str, str], *, budget_s: float, attempt_s: float | None = None
     ) -> int:
         """Publish one message that carries its own `Nats-Msg-Id` (the gateway's raw tee) through the same window
         as the records: sent again until acknowledged, `budget_s` counting from the connection's last
-        acknowledgement (`backpressure.py`); its stream seq. Raises `LOG_UNAVAILABLE` (unanswered within the
-        budget, or refused) or `LOG_FULL`."""
+        acknowledgement (`backpressure.py`), each attempt `attempt_s` (default: a record's); its stream seq. Raises
+        `LOG_UNAVAILABLE` (unanswered within the budget, or refused) or `LOG_FULL`."""
 
         async def answered(answer: bytes, timed_out: bool) -> int:
             return self._raw_answered(subject, answer)

@@ -306,6 +306,9 @@ async def test_a_consumer_that_loses_the_server_is_not_ready_is_restarted_and_re
         return bool(runner.health()["ready"])
 
     await eventually(ready, "consumed again after the server came back", timeout=30)
+    # Ready means consumed: each partition's consumer answered on the new connection (it exists).
+    consumers = {c.name for c in await runner.log.js.consumers_info(runner.settings.stream)}
+    assert consumers >= {f"{runner.name}-p{n}" for n in ALL}, consumers
 
     # The consumer deleted under the runner (an operator's mistake): the failure is counted, the consumer started
     # again, and the partition's records still reach the projection through it.

@@ -33,7 +33,7 @@ from sessionlog.events import Event
 from sessionlog.jsonl import decode_header
 from sessionlog.log import SessionLog, SessionWriter
 from sessionlog.micro import call
-from sessionlog.provision import resources, wait_until_served
+from sessionlog.provision import partition_of, resources, wait_until_served
 from sessionlog.record import Record
 from sessionlog.session import Session
 from sessionlog.settings import Settings
@@ -364,6 +364,63 @@ async def test_without_quorum_a_projection_service_starts_answers_from_the_survi
     await eventually(claimed_and_ready, "every partition claimed and the service ready", RECOVERY_S)
     reply = await call(served.nc, "sessionlog.context.derive", {"session": sid}, timeout=timeout * 2 + HANG_S)
     assert reply["messages"] == json.loads(canonical_messages(expected)[0])
+
+
+async def test_a_partition_whose_consumer_leader_dies_is_consumed_again_through_a_survivor(
+    cluster: Cluster, logs: Logs
+) -> None:
+    # The node that leads one partition's consumer dies (not the node the service is connected to): the partition
+    # is consumed again through a survivor, and what was written after the kill is applied, each record once.
+    served = await logs.connect(lease_ttl_s=1.0, request_timeout_s=3.0)
+    home = connected_node(cluster, served)
+    service = logs.keep_service(ContextDeriverService(served))
+    await asyncio.wait_for(service.start(), HANG_S)
+    count = served.settings.partition_count
+
+    async def owns_every_partition() -> bool:
+        now = service.health()
+        return bool(now["ready"]) and now["partitions"] == list(range(count))
+
+    await eventually(owns_every_partition, "every partition claimed and the service ready", RECOVERY_S)
+    hosts: dict[int, int] = {}
+    for number in range(count):
+        info = await served.js.consumer_info(served.settings.stream, f"context-deriver-p{number}")
+        assert info.cluster is not None and info.cluster.leader
+        hosts[number] = next(i for i, s in enumerate(cluster.servers) if s.server_name == info.cluster.leader)
+    partition, doomed = next(((n, i) for n, i in sorted(hosts.items()) if i != home), (None, None))
+    if partition is None or doomed is None:  # every consumer led from the service's own node: kill another
+        partition, doomed = 0, (home + 1) % len(cluster)
+    sid = next(s for s in (new_session_id() for _ in range(10_000)) if partition_of(s, count) == partition)
+
+    writer_log = await logs.connect(cluster[home].url)
+    writer = logs.keep(await writer_log.create(sid))
+    before = await turn(writer, "Written before the node holding this partition's consumer died.")
+    await writer.flush()
+    expected = Session()
+    for raw in before:
+        expected.append(raw)
+
+    async def consumed(stream_seq: int) -> bool:
+        # by the partition's own feed: a derive alone could be answered by loading the session from the stream
+        feed = service.runner.feeds.get(partition)
+        return feed is not None and feed.applied >= stream_seq
+
+    first = await writer_log.reader.last_record(sid)
+    assert first is not None
+    await eventually(lambda: consumed(first.stream_seq), "the first turn consumed", RECOVERY_S)
+    await replicas_current(writer_log)
+    cluster.kill(doomed)
+    after = await turn(writer, "Written after it died.")
+    await writer.flush()
+    for raw in after:
+        expected.append(raw)
+    last = await writer_log.reader.last_record(sid)
+    assert last is not None and last.stream_seq > first.stream_seq
+    await eventually(lambda: consumed(last.stream_seq), "the turn written after the kill consumed", RECOVERY_S)
+    reply = await call(served.nc, "sessionlog.context.derive", {"session": sid}, timeout=5.0)
+    assert reply["seq"] == len(before) + len(after) - 1
+    assert reply["messages"] == json.loads(canonical_messages(expected)[0]), "each record applied once, in order"
+    await eventually(owns_every_partition, "the service ready again, every partition consumed", RECOVERY_S)
 
 
 async def test_without_quorum_creating_is_log_unavailable_and_listing_answers_from_the_surviving_replica(

@@ -2,20 +2,25 @@
 
 What a feed promises: every message of its consumer, once and in stream order, across many pull requests; it
 keeps delivering after a quiet spell longer than a request's life (expired requests are replaced); a consumer
-deleted under it is reported as ConsumerGone rather than waited on forever.
+deleted under it is reported as ConsumerGone rather than waited on forever; after a reconnect (the server restarted:
+its pull requests are gone) it asks again at once, and is not `answered` until the consumer speaks again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import nats
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 from nats.js import JetStreamContext, api
 
+from sessionlog.embedded import EmbeddedServer
 from sessionlog.pull import ConsumerGone, Delivery, PullFeed
 
 pytest_plugins = ["natsfixtures"]
@@ -101,3 +106,36 @@ async def test_a_consumer_deleted_under_a_feed_is_reported(nc: Client, js: JetSt
                 await feed.take(0.2)
     finally:
         await feed.stop()
+
+
+async def test_after_the_server_restarts_a_feed_asks_again_at_once_and_says_when_its_consumer_answered(
+    tmp_path: Path,
+) -> None:
+    # Heartbeats 20 s apart: the silence that makes a feed pull again (three of them) is a minute away, so only
+    # noticing the reconnect itself gets the message below delivered within the bound.
+    server = EmbeddedServer(tmp_path / "nats").start()
+    nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    try:
+        js = nc.jetstream()
+        name = f"PULL{uuid.uuid4().hex[:8].upper()}"
+        await js.add_stream(name=name, subjects=[f"{name.lower()}.>"])
+        feed = PullFeed(nc, name, await consumer(js, name), batch=16, expires_s=60, heartbeat_s=20)
+        await feed.start()
+        await js.publish(f"{name.lower()}.a", b"before")
+        assert [d.msg.data for d in await take_until(feed, 1)] == [b"before"]
+        assert feed.answered
+
+        server.kill()
+        await asyncio.to_thread(server.restart)
+        deadline = time.monotonic() + WAIT_S
+        while not (nc.is_connected and nc.stats["reconnects"] >= 1):
+            assert time.monotonic() < deadline, "the client did not reconnect"
+            await asyncio.sleep(0.05)
+        assert not feed.answered, "nothing has come from the consumer on the new connection"
+
+        await js.publish(f"{name.lower()}.a", b"after")
+        assert [d.msg.data for d in await take_until(feed, 1)] == [b"after"]
+        assert feed.answered
+    finally:
+        await nc.close()
+        server.kill()

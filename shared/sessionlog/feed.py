@@ -9,7 +9,8 @@ runtime runs per owned partition, and the token-auditor on the raw stream.
 - supervised: whatever ends the consumer (JetStream not answering, the consumer deleted, a bug) is logged and
   counted (`sessionlog_projection_consumer_restarts_total`) and it starts again from what is applied, after a
   backoff that doubles while it keeps failing, as long as `still_ours()` says the feed is still this replica's;
-- `stalled` says why it is not being consumed right now; `ready` is set once it has caught up with the stream as it
+- `stalled` says why it is not being consumed right now (including after a reconnect, until its consumer has
+  answered on the new connection); `ready` is set once it has caught up with the stream as it
   was when it started; `stop()` finishes the message in hand, `abort()` stops at once, as a dying process would.
 """
 
@@ -241,6 +242,8 @@ class CheckpointedFeed:
                 silent = feed.silent_for()
                 if silent > SILENT_S or not self.nc.is_connected:
                     self.stalled_reason = f"no delivery or heartbeat from its consumer for {silent:.0f}s"
+                elif not feed.answered:
+                    self.stalled_reason = "reconnected: its consumer has not answered on the new connection yet"
                 elif self.stalled_reason is not None:
                     self.stalled_reason = None
                 now = time.monotonic()

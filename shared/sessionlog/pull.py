@@ -87,6 +87,10 @@ class PullFeed:
         self._heard_at = self._last_heard  # unlike _last_heard, not reset when the feed pulls again
         self._retry_at = 0.0
         self._gone = ""  # why the consumer is gone, once the server said so
+        # Pull requests live on the connection: a reconnect ends them (and a server that restarted may have lost the
+        # consumer itself, which is a cursor kept in memory). The feed asks again at once, and is not `answered`
+        # until the consumer has said something on the new connection.
+        self._pulled_on = self._heard_on = nc.stats["reconnects"]
 
     async def start(self) -> None:
         self._inbox = self._nc.new_inbox()
@@ -108,7 +112,13 @@ class PullFeed:
 
     async def _on_msg(self, msg: Msg) -> None:
         self._arrived.append(msg)
+        self._heard_on = self._nc.stats["reconnects"]
         self.wake()
+
+    @property
+    def answered(self) -> bool:
+        """The consumer has said something (a delivery, a status, a heartbeat) since the last reconnect."""
+        return self._heard_on == self._nc.stats["reconnects"]
 
     async def take(self, timeout: float) -> list[Delivery]:
         """What has arrived, in order (waiting up to `timeout` when nothing has); raises ConsumerGone."""
@@ -121,6 +131,10 @@ class PullFeed:
             finally:
                 timer.cancel()
                 self._waiter = None
+        if self._nc.stats["reconnects"] != self._pulled_on:  # the requests ended with the old connection
+            self._pulled_on = self._nc.stats["reconnects"]
+            self._outstanding = 0
+            self._retry_at = 0.0
         msgs, self._arrived = self._arrived, []
         out: list[Delivery] = []
         if msgs:
@@ -131,7 +145,7 @@ class PullFeed:
                 self._on_status(headers)
             else:
                 out.append(delivery(msg))
-        self._outstanding -= len(out)
+        self._outstanding = max(0, self._outstanding - len(out))
         if self._gone:
             raise ConsumerGone(f"consumer {self.consumer}: {self._gone}")
         if time.monotonic() - self._last_heard > self._silence_s:

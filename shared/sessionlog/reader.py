@@ -9,6 +9,7 @@ the leader (`$JS.API.STREAM.MSG.GET`), which is never stale.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
@@ -76,30 +77,45 @@ class StreamReader:
     async def _direct_batch(
         self, subject_filter: str, start_seq: int, *, batch: int, max_bytes: int
     ) -> tuple[list[RawMessage], int]:
-        inbox = self._nc.new_inbox()
-        sub = await self._nc.subscribe(inbox)
+        # The replies are taken by the subscription's callback: nats-py's `next_msg` makes two tasks and a timer
+        # for every message, which cost more than the rest of reading a session of a hundred records.
+        loop = asyncio.get_running_loop()
         out: list[RawMessage] = []
-        pending = 0
+        ended: asyncio.Future[dict[str, str]] = loop.create_future()
+        heard = loop.time()
+
+        async def on_msg(msg: Msg) -> None:
+            nonlocal heard
+            heard = loop.time()
+            headers = msg.headers
+            if headers is None or "Status" not in headers:
+                out.append(_raw_of(msg))
+            elif not ended.done():
+                ended.set_result(headers)
+
+        inbox = self._nc.new_inbox()
+        sub = await self._nc.subscribe(inbox, cb=on_msg)
         try:
             request = {"seq": start_seq, "batch": batch, "next_by_subj": subject_filter, "max_bytes": max_bytes}
             await self._nc.publish(f"$JS.API.DIRECT.GET.{self._stream}", json.dumps(request).encode(), reply=inbox)
-            while True:
-                msg = await sub.next_msg(timeout=self._timeout)
-                headers = msg.headers or {}
-                status = headers.get("Status")
-                if status is not None:
-                    if status == "204":  # end of batch
-                        pending = int(headers.get("Nats-Num-Pending", "0"))
-                        break
-                    if status == "404":  # nothing (more) matches
-                        break
-                    if status == "503" and not out:  # no responders: nobody serves direct gets right now
-                        raise nats.errors.NoRespondersError
-                    raise LogUnavailable(f"direct get on {self._stream} answered {status}: {headers}")
-                out.append(_raw_of(msg))
+            while not ended.done():  # a batch may take long as a whole: what times out is a wait that hears nothing
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(ended), max(0.0, heard + self._timeout - loop.time()))
+                if not ended.done() and loop.time() - heard >= self._timeout:
+                    if self._nc.is_closed:
+                        raise nats.errors.ConnectionClosedError
+                    raise nats.errors.TimeoutError
         finally:
             await sub.unsubscribe()
-        return out, pending
+        headers = ended.result()
+        status = headers["Status"]
+        if status == "204":  # end of batch
+            return out, int(headers.get("Nats-Num-Pending", "0"))
+        if status == "404":  # nothing (more) matches
+            return out, 0
+        if status == "503" and not out:  # no responders: nobody serves direct gets right now
+            raise nats.errors.NoRespondersError
+        raise LogUnavailable(f"direct get on {self._stream} answered {status}: {headers}")
 
     async def latest_values(self, subject_filter: str) -> dict[str, bytes]:
         """The last message of each subject matching the filter (the current entries of a KV bucket, read on its

@@ -99,8 +99,7 @@ class StreamReader:
             request = {"seq": start_seq, "batch": batch, "next_by_subj": subject_filter, "max_bytes": max_bytes}
             await self._nc.publish(f"$JS.API.DIRECT.GET.{self._stream}", json.dumps(request).encode(), reply=inbox)
             while not ended.done():  # a batch may take long as a whole: what times out is a wait that hears nothing
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(ended), max(0.0, heard + self._timeout - loop.time()))
+                await asyncio.wait((ended,), timeout=max(0.0, heard + self._timeout - loop.time()))
                 if not ended.done() and loop.time() - heard >= self._timeout:
                     if self._nc.is_closed:
                         raise nats.errors.ConnectionClosedError

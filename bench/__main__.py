@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=None, help="the JSON document (default bench/results.json)")
     parser.add_argument("--plots", type=Path, default=None, help="folder of the PNG plots (default bench/plots)")
     parser.add_argument("--no-plots", action="store_true", help="write no plots")
-    parser.add_argument("--replot", action="store_true", help="redraw plots and table from --out")
+    parser.add_argument("--replot", action="store_true", help="redraw plots and table from --out, judged again")
     args = parser.parse_args(argv)
     if args.quick:
         os.environ["BENCH_QUICK"] = "1"  # read by bench.common when the benchmark modules are imported
@@ -52,8 +52,10 @@ def main(argv: list[str]) -> int:
     from .common import machine
     from .report import goals, markdown, plot, print_summary
 
-    if args.replot:  # the same figures drawn again (a plot changed), nothing measured
+    if args.replot:  # the same figures drawn again and judged again (a plot or a row changed), nothing measured
         results = json.loads(out.read_text())
+        results["goals"] = goals(results)
+        out.write_text(json.dumps(results, indent=1, default=float) + "\n")
         if plots is not None:
             plot(results, plots)
         out.with_suffix(".md").write_text(markdown(results))

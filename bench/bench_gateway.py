@@ -20,11 +20,14 @@ nothing of the log talks to `/record/{session}/v1`, echoing each answer in its n
 request's new messages, flushes, forwards the derivation and logs the streamed answer. Its overhead to the first
 byte is against the direct call of the same body in the same run; `gateway_work` is the gateway's own time before
 forwarding (its metrics), beside one decode of the body: flat across sizes while the decode grows is O(new
-messages). `chunk_lag` is, per streamed SSE line of a 40-line answer, its transit from the provider (which stamps each
-line with its monotonic clock as it sends it) to the client, through the record gateway, through the gateway
-without logging (derive mode, which logs nothing) and direct, p50 and p99 over lines and rounds; and line by line
-the record gateway's transit minus the one without logging: logging must not hold chunks back. Goals: overhead p50
-<= 2 ms and p99 <= 5 ms at 100 messages; chunk transit p50 no longer than without logging.
+messages). `cpu_ms_per_request` is the CPU (user + system) the record gateway, nats-server and the pass-through each
+used per request over the rounds: the capacity figure an operator sizes gateways and servers by (only the record
+gateway writes to the log meanwhile). `chunk_lag` is, per streamed SSE line of a 40-line answer, its transit from
+the provider (which stamps each line with its monotonic clock as it sends it) to the client, through the record
+gateway, through the gateway without logging (derive mode, which logs nothing) and direct, p50 and p99 over lines
+and rounds; and line by line the record gateway's transit minus the one without logging: logging must not hold
+chunks back. Goals: overhead p50 <= 2 ms and p99 <= 5 ms at 100 messages; chunk transit p50 no longer than without
+logging.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from sessionlog.session import Session
 from sessionlog.settings import Settings
 from sessionlog.wire import WireCache, compare_request, parse_request, to_wire
 
-from .common import QUICK, scale
+from .common import QUICK, cpu_seconds, scale
 from .synth import LogBuilder
 
 SIZES = tuple(int(s) for s in os.environ.get("BENCH_GATEWAY_SIZES", "100,1000,10000").split(","))
@@ -437,8 +440,15 @@ async def line_transits(client: httpx.AsyncClient, url: str, body: bytes) -> lis
 
 
 async def measure_record(
-    provider_url: str, gateway_base: str, size: int, passthrough_url: str | None = None
+    provider_url: str,
+    gateway_base: str,
+    size: int,
+    passthrough_url: str | None = None,
+    pids: dict[str, int | None] | None = None,
 ) -> dict[str, Any]:
+    """Record mode's time to first byte against the direct call and the plain pass-through, one request to each
+    in turn; with `pids` (`gateway`, `nats_server`, `passthrough`), the CPU each used per request over the rounds:
+    only the record gateway writes to the log meanwhile, so the server's share is record mode's."""
     session_id = f"bench-record-{size}-{time.time_ns() % 10**9}"
     url = f"{gateway_base}/record/{session_id}/v1/chat/completions"
     metrics_url = f"{gateway_base}/metrics"
@@ -457,6 +467,7 @@ async def measure_record(
             messages.append(reply)
         gc.collect()
         before = await gateway_sums(client, metrics_url)
+        cpu_before = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
         decode = []
         for _ in range(RECORD_ROUNDS[size]):
             body = record_body(messages)
@@ -465,8 +476,14 @@ async def measure_record(
             if passthrough_url is not None:  # the same body through the plain proxy: the floor of a hop
                 hop.append(await ttfb(client, passthrough_url, body, headers))
             messages.append(reply)
+        cpu_after = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
         after = await gateway_sums(client, metrics_url)
         decode.append(decode_ms(record_body(messages)))
+    cpu: dict[str, float] = {}
+    for name, used in cpu_after.items():
+        first = cpu_before[name]
+        if used is not None and first is not None:
+            cpu[name] = round((used - first) * 1000 / RECORD_ROUNDS[size], 3)
     d, r = summary(direct), summary(record)
     work = mean_ms(before, after, "invariant_seconds")
     versus: dict[str, Any] = {}
@@ -484,6 +501,7 @@ async def measure_record(
         "record_ttfb_ms": r,
         "overhead_ms": {"p50": round(r["p50"] - d["p50"], 4), "p99": round(r["p99"] - d["p99"], 4)},
         "gateway_work_mean_ms": work,
+        "cpu_ms_per_request": cpu,  # user + system, from /proc (empty elsewhere)
         "decode_ms": round(decode[0], 4),
         "gateway_work_over_decode": round(work / decode[0], 2),
     }
@@ -550,10 +568,12 @@ def main() -> dict[str, object]:
                 procs.append(_spawn(deriver, deriver_env, f"http://127.0.0.1:{deriver_port}/readyz"))
             gateway = ["-m", "services.gateway", "--derivation", DERIVATION]
             procs.append(_spawn(gateway, env, gateway_url + "/healthz"))
+            gateway_index = len(procs) - 1
             passthrough_port = free_port()
             passthrough = ["-m", "bench.passthrough", "--port", str(passthrough_port),
                            "--upstream", provider_url + "/v1/chat/completions"]  # fmt: skip
             procs.append(_spawn(passthrough, env, f"http://127.0.0.1:{passthrough_port}/healthz"))
+            passthrough_index = len(procs) - 1
             proxies = {"passthrough": (f"http://127.0.0.1:{passthrough_port}/v1/chat/completions", {})}
             litellm_note = start_litellm(Path(tmp), provider_url, env, procs, proxies)
             settings = Settings(_env_file=None, nats_url=server.url, metrics_port=0)
@@ -564,10 +584,13 @@ def main() -> dict[str, object]:
             if RECORD:
                 direct_url = provider_url + "/v1/chat/completions"
 
+                pids = {"gateway": procs[gateway_index].pid, "nats_server": server.pid,
+                        "passthrough": procs[passthrough_index].pid}  # fmt: skip
+
                 async def record_run() -> dict[str, Any]:
                     hop_url = proxies["passthrough"][0]
                     out: dict[str, Any] = {
-                        str(s): await measure_record(direct_url, gateway_url, s, hop_url) for s in SIZES
+                        str(s): await measure_record(direct_url, gateway_url, s, hop_url, pids) for s in SIZES
                     }
                     log = await SessionLog.connect(settings)
                     try:

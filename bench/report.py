@@ -92,6 +92,13 @@ def goals(r: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append(_row(f"record mode overhead {q} at 100 messages (issue 13)", f"<= {limit:g} ms", v,
                              _judge(v, lambda x, lim=limit: x <= lim), "bench_gateway",
                              context if q == "p50" else ""))  # fmt: skip
+        cpu = get(record, "100.cpu_ms_per_request") or {}
+        if "gateway" in cpu:
+            by_size = ", ".join(f"{k}: {get(x, 'cpu_ms_per_request.gateway'):.2f}" for k, x in record.items()
+                                if k.isdigit() and get(x, "cpu_ms_per_request.gateway") is not None)  # fmt: skip
+            others = ", ".join(f"{name.replace('_', '-')} {ms:.2f} ms" for name, ms in cpu.items() if name != "gateway")
+            rows.append(_row("record mode gateway CPU per request at 100 messages, ms", "", cpu["gateway"], None,
+                             "bench_gateway", f"{others}; gateway by size {by_size}"))  # fmt: skip
         diffs = {k: get(x, "record_minus_passthrough_ms.p99") for k, x in record.items() if k.isdigit()}
         v = diffs.get("100")
         rows.append(_row("record mode p99 minus pass-through proxy p99, 100 messages", "<= 1 ms", v,

@@ -33,10 +33,22 @@ SECTIONS = {
         "append_cost_by_size.sessionlog",
     ],
     "bench_log": ["raw_publish.p99_ms", "writer_flush_each.p99_ms", "writer_streaming.events_per_s", "read_100k"],
-    "bench_gateway": ["sizes.100.overhead_ms.p99", "sizes.100.proxies.passthrough.ttfb_ms.p99", "sizes.100.decode_ms"],
+    "bench_gateway": [
+        "sizes.100.overhead_ms.p99",
+        "sizes.100.proxies.passthrough.ttfb_ms.p99",
+        "sizes.100.decode_ms",
+        "record.100.overhead_ms.p50",
+        "record.100.gateway_work_mean_ms",
+    ],
     "bench_ui_audit": ["render.total_ms", "live_tail.after_flush_ack_ms.p99", "auditor.auditor_over_floor"],
     "bench_ui": ["overview.html_first_page.median_ms", "session.transcript_page.median_ms"],
-    "bench_projections": ["lag", "derive", "rebuild.every_projection"],
+    "bench_projections": [
+        "lag",
+        "derive",
+        "rebuild.every_projection",
+        "rebuild.floor_reads_events_per_s",
+        "rebuild.best_of",
+    ],
     "bench_fleet": [
         "single.per_projection",
         "single.mib_per_1000_sessions",
@@ -95,6 +107,15 @@ def test_the_quick_run_writes_every_section_with_numbers(tmp_path: Path) -> None
     assert doc["bench_stores"]["naive"]["originals_lost"] > 0
     agent = doc["bench_stores"]["sessionlog_agent"]
     assert agent["messages_readable_after"] == agent["messages_written"]
+    # every rebuild was judged between two floor reads: one more floor read per round than there are projections
+    rebuild = doc["bench_projections"]["rebuild"]
+    every = rebuild["every_projection"]
+    rounds = {len(x["over_adjacent_floors"]) for x in every.values()}
+    assert len(rounds) == 1 and min(rounds) >= 1, rounds
+    assert len(rebuild["floor_reads_events_per_s"]) == min(rounds) * (len(every) + 1)
+    if sys.platform == "linux":  # CPU per request comes from /proc
+        cpu = doc["bench_gateway"]["record"]["100"]["cpu_ms_per_request"]
+        assert set(cpu) == {"gateway", "nats_server", "passthrough"} and cpu["gateway"] > 0, cpu
 
 
 def _fleet_samples(times_and_lags: list[tuple[float, float]]) -> list[dict[str, Any]]:

@@ -134,7 +134,14 @@ async def test_after_the_server_restarts_a_feed_asks_again_at_once_and_says_when
         assert not feed.answered, "nothing has come from the consumer on the new connection"
 
         await js.publish(f"{name.lower()}.a", b"after")
-        assert [d.msg.data for d in await take_until(feed, 1)] == [b"after"]
+        # At least once: the server was killed with -9 right after "before" was acknowledged, and the consumer's
+        # state may not have reached its disk, so "before" can come again first (seen in CI on cc69da6).
+        taken: list[bytes] = []
+        for _ in range(3):  # bounded: a redelivered "before", then "after"
+            taken += [d.msg.data for d in await take_until(feed, 1)]
+            if b"after" in taken:
+                break
+        assert taken[-1] == b"after" and set(taken[:-1]) <= {b"before"}, taken
         assert feed.answered
     finally:
         await nc.close()

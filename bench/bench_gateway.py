@@ -3,8 +3,9 @@ messages, against a direct call to the same scripted provider in the same run, a
 the same request body.
 
 One nats-server (temporary), the scripted provider and the gateway each run in a process of their own; the
-client alternates direct and gateway calls on one session per size, so both see the same machine state. `ttfb`
-is from sending the request to the first byte of the response body. The overhead is the gateway's ttfb percentile
+client alternates direct and gateway calls on one session per size, so both see the same machine state, with its
+own garbage collector paused while it times (as `timeit` does; it collects after). `ttfb` is from sending the
+request to the first byte of the response body. The overhead is the gateway's ttfb percentile
 minus the direct one's. `invariant` is the gateway's own work before forwarding (reading the log's tail, the
 check), measured in-process on the same request body with the gateway's code; `gateway_side_mean_ms` is what
 the gateway's own metrics saw. `check` is the parse and canonical compare alone (with the session's cache warm),
@@ -180,9 +181,35 @@ async def agent_rounds(
     with a user message and a step), is flushed, and the request names that seq. Direct, gateway and pass-through
     (`urls`, in that order) alternate on the same body; the gateway's derivations by source say how many requests
     it answered without a read."""
-    provider_url, gateway_url, hop_url = urls
-    direct, gateway, hop = [], [], []
+    direct: list[float] = []
+    gateway: list[float] = []
+    hop: list[float] = []
     before = await gateway_sums(client, metrics_url)
+    with gc_paused():  # this client's collector, during the timed rounds (see `measure`)
+        await _agent_rounds(client, writer, urls, rounds, direct, gateway, hop)
+    gc.collect()
+    after = await gateway_sums(client, metrics_url)
+    d, g, h = summary(direct), summary(gateway), summary(hop)
+    return {
+        "direct_ttfb_ms": d,
+        "gateway_ttfb_ms": g,
+        "passthrough_ttfb_ms": h,
+        "overhead_ms": {"p50": round(g["p50"] - d["p50"], 4), "p99": round(g["p99"] - d["p99"], 4)},
+        "gateway_minus_passthrough_ms": {"p50": round(g["p50"] - h["p50"], 4), "p99": round(g["p99"] - h["p99"], 4)},
+        "derivations": derived_by(before, after),
+    }
+
+
+async def _agent_rounds(
+    client: httpx.AsyncClient,
+    writer: Any,
+    urls: tuple[str, str, str],
+    rounds: int,
+    direct: list[float],
+    gateway: list[float],
+    hop: list[float],
+) -> None:
+    provider_url, gateway_url, hop_url = urls
     for _ in range(rounds):
         turn = writer.session.last_turn
         await writer.emit("step/end", {"turn": turn, "step": writer.session.open_step.number})
@@ -200,16 +227,6 @@ async def agent_rounds(
         direct.append(await ttfb(client, provider_url, body, headers))
         gateway.append(await ttfb(client, gateway_url, body, headers))
         hop.append(await ttfb(client, hop_url, body, headers))
-    after = await gateway_sums(client, metrics_url)
-    d, g, h = summary(direct), summary(gateway), summary(hop)
-    return {
-        "direct_ttfb_ms": d,
-        "gateway_ttfb_ms": g,
-        "passthrough_ttfb_ms": h,
-        "overhead_ms": {"p50": round(g["p50"] - d["p50"], 4), "p99": round(g["p99"] - d["p99"], 4)},
-        "gateway_minus_passthrough_ms": {"p50": round(g["p50"] - h["p50"], 4), "p99": round(g["p99"] - h["p99"], 4)},
-        "derivations": derived_by(before, after),
-    }
 
 
 def mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> float:
@@ -245,11 +262,16 @@ async def measure(
         gc.collect()
         metrics_url = gateway_url.replace("/v1/chat/completions", "/metrics")
         before = await gateway_sums(client, metrics_url)
-        for _ in range(ROUNDS[size]):  # interleaved: every path sees the same machine state
-            direct.append(await ttfb(client, provider_url, body, headers))
-            gateway.append(await ttfb(client, gateway_url, body, headers))
-            for name, (url, extra) in proxies.items():
-                hops[name].append(await ttfb(client, url, body, {**headers, **extra}))
+        # This client's collector is paused while it times (as `timeit` does): a collection landing inside one
+        # request's timing (gen0 up to 2.5 ms, a full one 50 ms in this process) would be charged to whichever
+        # path it hit. Each path's own process collects as it always does.
+        with gc_paused():
+            for _ in range(ROUNDS[size]):  # interleaved: every path sees the same machine state
+                direct.append(await ttfb(client, provider_url, body, headers))
+                gateway.append(await ttfb(client, gateway_url, body, headers))
+                for name, (url, extra) in proxies.items():
+                    hops[name].append(await ttfb(client, url, body, {**headers, **extra}))
+        gc.collect()
         after = await gateway_sums(client, metrics_url)
     # The gateway's own work before forwarding, with its code, in this process: tail read + parse + check.
     source = StreamSource(log, watch=False)  # the tail read on the request's path, as without a watched session
@@ -469,14 +491,16 @@ async def measure_record(
         before = await gateway_sums(client, metrics_url)
         cpu_before = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
         decode = []
-        for _ in range(RECORD_ROUNDS[size]):
-            body = record_body(messages)
-            direct.append(await ttfb(client, provider_url, body, headers))
-            record.append(await ttfb(client, url, body, headers))
-            if passthrough_url is not None:  # the same body through the plain proxy: the floor of a hop
-                hop.append(await ttfb(client, passthrough_url, body, headers))
-            messages.append(reply)
+        with gc_paused():  # this client's collector, during the timed rounds (see `measure`)
+            for _ in range(RECORD_ROUNDS[size]):
+                body = record_body(messages)
+                direct.append(await ttfb(client, provider_url, body, headers))
+                record.append(await ttfb(client, url, body, headers))
+                if passthrough_url is not None:  # the same body through the plain proxy: the floor of a hop
+                    hop.append(await ttfb(client, passthrough_url, body, headers))
+                messages.append(reply)
         cpu_after = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
+        gc.collect()
         after = await gateway_sums(client, metrics_url)
         decode.append(decode_ms(record_body(messages)))
     cpu: dict[str, float] = {}
@@ -527,18 +551,20 @@ async def measure_chunk_lag(log: SessionLog, provider_url: str, gateway_base: st
         session_id = f"bench-chunks-{time.time_ns() % 10**9}"
         url = f"{gateway_base}/record/{session_id}/v1/chat/completions"
         messages = record_history(100)
-        for i in range(rounds + 3):
-            body = record_body(messages)
-            direct = await line_transits(client, provider_url, body)
-            relay = await line_transits(client, relay_url, b'{"stream": true}')
-            record = await line_transits(client, url, body)
-            messages.append({"role": "assistant", "content": text})
-            if i < 3 or not len(direct) == len(relay) == len(record):
-                continue
-            transits["direct"] += direct
-            transits["without_logging"] += relay
-            transits["record"] += record
-            vs_relay += [r - x for x, r in zip(relay, record, strict=True)]
+        with gc_paused():  # this client's collector, during the timed rounds (see `measure`)
+            for i in range(rounds + 3):
+                body = record_body(messages)
+                direct = await line_transits(client, provider_url, body)
+                relay = await line_transits(client, relay_url, b'{"stream": true}')
+                record = await line_transits(client, url, body)
+                messages.append({"role": "assistant", "content": text})
+                if i < 3 or not len(direct) == len(relay) == len(record):
+                    continue
+                transits["direct"] += direct
+                transits["without_logging"] += relay
+                transits["record"] += record
+                vs_relay += [r - x for x, r in zip(relay, record, strict=True)]
+        gc.collect()
     await writer.close()
     return {"lines": len(vs_relay), "transit_ms": {path: summary(v) for path, v in transits.items()},
             "record_minus_without_logging_ms": summary(vs_relay)}  # fmt: skip

@@ -34,6 +34,7 @@ logging.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -44,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +130,16 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"p50": round(pct(values, 0.5), 4), "p99": round(pct(values, 0.99), 4), "n": len(values)}
 
 
+@contextlib.contextmanager
+def timing() -> Iterator[None]:
+    """This client's collector paused while it times (as `timeit` does), and run once after: a collection landing
+    inside one request's timing (gen0 up to 2.5 ms, a full one 50 ms in this process) would be charged to whichever
+    path it hit. Each path's own process collects as it always does."""
+    with gc_paused():
+        yield
+    gc.collect()
+
+
 async def ttfb(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]) -> float:
     start = time.perf_counter()
     async with client.stream("POST", url, content=body, headers=headers) as response:
@@ -181,13 +193,27 @@ async def agent_rounds(
     with a user message and a step), is flushed, and the request names that seq. Direct, gateway and pass-through
     (`urls`, in that order) alternate on the same body; the gateway's derivations by source say how many requests
     it answered without a read."""
-    direct: list[float] = []
-    gateway: list[float] = []
-    hop: list[float] = []
+    provider_url, gateway_url, hop_url = urls
+    direct, gateway, hop = [], [], []
     before = await gateway_sums(client, metrics_url)
-    with gc_paused():  # this client's collector, during the timed rounds (see `measure`)
-        await _agent_rounds(client, writer, urls, rounds, direct, gateway, hop)
-    gc.collect()
+    with timing():
+        for _ in range(rounds):
+            turn = writer.session.last_turn
+            await writer.emit("step/end", {"turn": turn, "step": writer.session.open_step.number})
+            await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}})
+            await writer.emit("turn/start", {"turn": turn + 1})
+            text = [{"type": "text", "text": "q" * 80}]
+            message = {"id": f"u{turn + 1}", "role": "user", "source": {"kind": "user"}, "content": text}
+            await writer.emit("user/message", message, surface_op="append")
+            await writer.emit("step/start", {"turn": turn + 1, "step": 1})
+            seq = await writer.flush()
+            session = writer.session
+            header = session.fold_request_header()
+            body = msgspec.json.encode({**to_wire(session.derive_messages(), header), "stream": True})
+            headers = {"X-Session-Id": writer.session_id, "X-Session-Seq": str(seq), "content-type": "application/json"}
+            direct.append(await ttfb(client, provider_url, body, headers))
+            gateway.append(await ttfb(client, gateway_url, body, headers))
+            hop.append(await ttfb(client, hop_url, body, headers))
     after = await gateway_sums(client, metrics_url)
     d, g, h = summary(direct), summary(gateway), summary(hop)
     return {
@@ -198,35 +224,6 @@ async def agent_rounds(
         "gateway_minus_passthrough_ms": {"p50": round(g["p50"] - h["p50"], 4), "p99": round(g["p99"] - h["p99"], 4)},
         "derivations": derived_by(before, after),
     }
-
-
-async def _agent_rounds(
-    client: httpx.AsyncClient,
-    writer: Any,
-    urls: tuple[str, str, str],
-    rounds: int,
-    direct: list[float],
-    gateway: list[float],
-    hop: list[float],
-) -> None:
-    provider_url, gateway_url, hop_url = urls
-    for _ in range(rounds):
-        turn = writer.session.last_turn
-        await writer.emit("step/end", {"turn": turn, "step": writer.session.open_step.number})
-        await writer.emit("turn/end", {"turn": turn, "reason": {"kind": "completed"}})
-        await writer.emit("turn/start", {"turn": turn + 1})
-        text = [{"type": "text", "text": "q" * 80}]
-        message = {"id": f"u{turn + 1}", "role": "user", "source": {"kind": "user"}, "content": text}
-        await writer.emit("user/message", message, surface_op="append")
-        await writer.emit("step/start", {"turn": turn + 1, "step": 1})
-        seq = await writer.flush()
-        session = writer.session
-        header = session.fold_request_header()
-        body = msgspec.json.encode({**to_wire(session.derive_messages(), header), "stream": True})
-        headers = {"X-Session-Id": writer.session_id, "X-Session-Seq": str(seq), "content-type": "application/json"}
-        direct.append(await ttfb(client, provider_url, body, headers))
-        gateway.append(await ttfb(client, gateway_url, body, headers))
-        hop.append(await ttfb(client, hop_url, body, headers))
 
 
 def mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> float:
@@ -262,16 +259,12 @@ async def measure(
         gc.collect()
         metrics_url = gateway_url.replace("/v1/chat/completions", "/metrics")
         before = await gateway_sums(client, metrics_url)
-        # This client's collector is paused while it times (as `timeit` does): a collection landing inside one
-        # request's timing (gen0 up to 2.5 ms, a full one 50 ms in this process) would be charged to whichever
-        # path it hit. Each path's own process collects as it always does.
-        with gc_paused():
+        with timing():
             for _ in range(ROUNDS[size]):  # interleaved: every path sees the same machine state
                 direct.append(await ttfb(client, provider_url, body, headers))
                 gateway.append(await ttfb(client, gateway_url, body, headers))
                 for name, (url, extra) in proxies.items():
                     hops[name].append(await ttfb(client, url, body, {**headers, **extra}))
-        gc.collect()
         after = await gateway_sums(client, metrics_url)
     # The gateway's own work before forwarding, with its code, in this process: tail read + parse + check.
     source = StreamSource(log, watch=False)  # the tail read on the request's path, as without a watched session
@@ -491,7 +484,7 @@ async def measure_record(
         before = await gateway_sums(client, metrics_url)
         cpu_before = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
         decode = []
-        with gc_paused():  # this client's collector, during the timed rounds (see `measure`)
+        with timing():
             for _ in range(RECORD_ROUNDS[size]):
                 body = record_body(messages)
                 direct.append(await ttfb(client, provider_url, body, headers))
@@ -499,8 +492,7 @@ async def measure_record(
                 if passthrough_url is not None:  # the same body through the plain proxy: the floor of a hop
                     hop.append(await ttfb(client, passthrough_url, body, headers))
                 messages.append(reply)
-        cpu_after = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
-        gc.collect()
+            cpu_after = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
         after = await gateway_sums(client, metrics_url)
         decode.append(decode_ms(record_body(messages)))
     cpu: dict[str, float] = {}
@@ -551,7 +543,7 @@ async def measure_chunk_lag(log: SessionLog, provider_url: str, gateway_base: st
         session_id = f"bench-chunks-{time.time_ns() % 10**9}"
         url = f"{gateway_base}/record/{session_id}/v1/chat/completions"
         messages = record_history(100)
-        with gc_paused():  # this client's collector, during the timed rounds (see `measure`)
+        with timing():
             for i in range(rounds + 3):
                 body = record_body(messages)
                 direct = await line_transits(client, provider_url, body)
@@ -564,7 +556,6 @@ async def measure_chunk_lag(log: SessionLog, provider_url: str, gateway_base: st
                 transits["without_logging"] += relay
                 transits["record"] += record
                 vs_relay += [r - x for x, r in zip(relay, record, strict=True)]
-        gc.collect()
     await writer.close()
     return {"lines": len(vs_relay), "transit_ms": {path: summary(v) for path, v in transits.items()},
             "record_minus_without_logging_ms": summary(vs_relay)}  # fmt: skip

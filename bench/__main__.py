@@ -53,7 +53,10 @@ def main(argv: list[str]) -> int:
     from .report import goals, markdown, plot, print_summary
 
     if args.replot:  # the same figures drawn again and judged again (a plot or a row changed), nothing measured
-        results = json.loads(out.read_text())
+        try:
+            results = json.loads(out.read_text())
+        except (OSError, ValueError) as exc:  # nothing to draw from: say so, and write nothing
+            parser.error(f"--replot reads the figures of a run from {out}: {exc}")
         results["goals"] = goals(results)
         out.write_text(json.dumps(results, indent=1, default=float) + "\n")
         if plots is not None:

@@ -118,6 +118,24 @@ def test_the_quick_run_writes_every_section_with_numbers(tmp_path: Path) -> None
         assert set(cpu) == {"gateway", "nats_server", "passthrough"} and cpu["gateway"] > 0, cpu
 
 
+def test_replot_without_a_readable_results_file_says_so_and_writes_nothing(tmp_path: Path) -> None:
+    missing, broken = tmp_path / "missing.json", tmp_path / "broken.json"
+    broken.write_text("{not json")
+    for out in (missing, broken):
+        done = subprocess.run(
+            [sys.executable, "-m", "bench", "--replot", "--no-plots", "--out", str(out)],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert f"--replot reads the figures of a run from {out}" in done.stderr, done.stderr[-2000:]
+        assert not out.with_suffix(".md").exists()
+    assert not missing.exists()
+    assert broken.read_text() == "{not json"
+
+
 def _fleet_samples(times_and_lags: list[tuple[float, float]]) -> list[dict[str, Any]]:
     from bench.bench_fleet import PARTITIONS, PROJECTIONS
 

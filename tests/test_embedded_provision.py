@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import stat
 import time
 from pathlib import Path
@@ -188,6 +189,25 @@ def test_a_server_that_cannot_start_reports_its_log(tmp_path: Path) -> None:
             second.start()
         assert "address already in use" in caught.value.message
         assert not second.running
+
+
+def test_a_cluster_whose_route_port_was_taken_before_it_bound_it_starts_on_ports_picked_again(tmp_path: Path) -> None:
+    """A port picked for a node can be taken before the node binds it (CI saw the ephemeral source port of a route
+    connection between the other two nodes take a third node's route port): the cluster picks every port again."""
+    cluster = Cluster(tmp_path / "c", size=3, name=f"p{os.getpid()}", start_timeout_s=20)
+    options = cluster.servers[2].cluster
+    assert options is not None
+    taken_port = options.port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", taken_port))
+        taken.listen()
+        try:
+            cluster.start()
+            assert all(server.running for server in cluster.servers)
+            assert taken_port not in [server.cluster.port for server in cluster.servers if server.cluster]
+            assert cluster.meta_leader() is not None
+        finally:
+            cluster.stop()
 
 
 # --- connecting ----------------------------------------------------------------------------------------------

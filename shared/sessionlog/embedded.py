@@ -437,20 +437,27 @@ class Cluster(_StartStop):
         self.base_dir = Path(base_dir)
         self.name = name
         self.start_timeout_s = start_timeout_s
-        route_ports = [free_port(host) for _ in range(size)]
+        self._size, self._host, self._binary = size, host, binary
+        self._started_once = False
+        self.servers = self._nodes()
+
+    def _nodes(self) -> list[EmbeddedServer]:
+        """The nodes, on loopback ports picked now (client, monitoring and route ports)."""
+        host, name = self._host, self.name
+        route_ports = [free_port(host) for _ in range(self._size)]
         routes = [f"nats://{host}:{p}" for p in route_ports]
-        self.servers = [
+        return [
             EmbeddedServer(
                 self.base_dir / f"node{i}",
                 port=free_port(host),
                 monitor_port=free_port(host),
                 host=host,
-                binary=binary,
+                binary=self._binary,
                 server_name=f"{name}-{i}",
                 cluster=ClusterOptions(name=name, port=route_ports[i], routes=routes),
-                start_timeout_s=start_timeout_s,
+                start_timeout_s=self.start_timeout_s,
             )
-            for i in range(size)
+            for i in range(self._size)
         ]
 
     def __len__(self) -> int:
@@ -469,16 +476,31 @@ class Cluster(_StartStop):
         return ",".join(self.urls)
 
     def start(self) -> Self:
-        """Start every node, then wait until each is healthy (which needs an elected meta leader)."""
-        try:
-            for server in self.servers:
-                server.start(wait="none")
-            for server in self.servers:
-                server.wait_ready(self.start_timeout_s, healthy=True)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        """Start every node, then wait until each is healthy (which needs an elected meta leader).
+
+        A port picked for the cluster may be taken between the pick and the bind (by another process, or as the
+        ephemeral source port of a connection between the nodes themselves): before the first successful start,
+        every port is picked again and the cluster started again, at most three times, as `EmbeddedServer.start`
+        does for one server. Afterwards a node keeps its ports, so that it rejoins as the same peer."""
+        attempts = 1 if self._started_once else 3
+        for attempt in range(attempts):
+            try:
+                for server in self.servers:
+                    server.start(wait="none")
+                for server in self.servers:  # each node up (a node that could not bind exits: seen here, at once)
+                    server.wait_ready(self.start_timeout_s)
+                for server in self.servers:
+                    server.wait_ready(self.start_timeout_s, healthy=True)
+            except BaseException as exc:
+                taken = any("address already in use" in server.log_tail() for server in self.servers)
+                self.stop()
+                if isinstance(exc, ServerStartFailed) and taken and attempt + 1 < attempts:
+                    self.servers = self._nodes()
+                    continue
+                raise
+            self._started_once = True
+            return self
+        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         for server in self.servers:

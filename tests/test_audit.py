@@ -464,14 +464,14 @@ def test_the_raw_assembler_joins_parts_and_pairs_a_request_with_its_response() -
     assembler = RawAssembler()
     base = {"Sessionlog-Request-Id": "req-8", "Sessionlog-Session-Seq": "4"}
     assert (
-        assembler.add({**base, "Sessionlog-Kind": "request", "Sessionlog-Part": "0", "Sessionlog-Parts": "1"}, b"{}")
-        is None
+        assembler.take({**base, "Sessionlog-Kind": "request", "Sessionlog-Part": "0", "Sessionlog-Parts": "1"}, b"{}")
+        == []
     )
-    assert assembler.add({"Other": "x"}, b"noise") is None
+    assert assembler.take({"Other": "x"}, b"noise") == []
     head = {**base, "Sessionlog-Kind": "response", "Sessionlog-Parts": "2", "Sessionlog-Upstream-Status": "200"}
-    assert assembler.add({**head, "Sessionlog-Part": "1"}, b"world") is None
-    exchange = assembler.add({**head, "Sessionlog-Part": "0", "Sessionlog-Outcome": "complete"}, b"hello ")
-    assert exchange == RawExchange("req-8", 4, b"{}", b"hello world", 200, "complete")
+    assert assembler.take({**head, "Sessionlog-Part": "1"}, b"world") == []
+    exchange = assembler.take({**head, "Sessionlog-Part": "0", "Sessionlog-Outcome": "complete"}, b"hello ")
+    assert exchange == [RawExchange("req-8", 4, b"{}", b"hello world", 200, "complete")]
 
 
 def test_a_raw_response_parses_from_sse_and_from_one_completion() -> None:

@@ -31,6 +31,7 @@ from sessionlog.errors import SessionLogError
 from sessionlog.jsonl import read_jsonl
 from sessionlog.log import SessionLog
 from sessionlog.openai_wire import ends_with_done, parse_raw_response
+from sessionlog.reader import StreamReader, read_raw_bases, read_raw_exchanges
 from sessionlog.session import Session
 from sessionlog.settings import Settings
 from sessionlog.wire import canonical, to_wire
@@ -164,9 +165,7 @@ async def raw_exchanges(log: SessionLog, settings: Settings, session_id: str, co
                     msg = await sub.next_msg(timeout=0.3)
                 except Exception:
                     break
-                done = assembler.add(dict(msg.headers or {}), msg.data)
-                if done is not None:
-                    out.append(done)
+                out += assembler.take(dict(msg.headers or {}), msg.data)
         finally:
             await sub.unsubscribe()
         return out
@@ -669,6 +668,48 @@ async def test_export_check_derive_transcript_and_audit_agree_with_what_the_prov
     report = msgspec.json.decode(capfd.readouterr().out)
     assert report["findings"] == [] and report["ledger_difference"] == []
     assert report["provider_ledger"]["total"]["requests"] == 3 == report["ledger"]["total"]["requests"]
+
+
+async def test_a_long_sessions_raw_tee_stores_requests_as_deltas_that_every_reader_rebuilds_byte_for_byte(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, provisioned: Settings
+) -> None:
+    sid = new_session_id("rec")
+    system = {"role": "system", "content": "You are a careful assistant. " * 200}  # about 6 KB repeated every time
+    messages: list[dict[str, Any]] = [system]
+    rounds = 6
+    for n in range(rounds):
+        provider.load([{"text": f"Answer {n}.", "usage": {"prompt_tokens": 10 + n, "completion_tokens": 2}}])
+        messages.append({"role": "user", "content": f"Question {n}?"})
+        body = {"model": "scripted-model", "messages": messages, "stream": n % 2 == 1}
+        assert (await complete(http, gateway, sid, body)).status_code == 200
+        messages.append({"role": "assistant", "content": f"Answer {n}."})
+    await raw_exchanges(log, provisioned, sid, rounds)
+    # the stream: the first request whole, every later one a delta of the one before, much smaller than its body
+    stored: list[tuple[dict[str, str], bytes, int]] = []
+    reader = StreamReader(log.nc, provisioned.raw_stream)
+    batch, _ = await reader.direct_batch(f"sessionlog.raw.{sid}", 1)
+    for message in batch:
+        if message.headers.get("Sessionlog-Kind") == "request":
+            stored.append((message.headers, message.data, message.stream_seq))
+    assert len(stored) == rounds and "Sessionlog-Base" not in stored[0][0]
+    assert all(h["Sessionlog-Base"] and int(h["Sessionlog-Root-Seq"]) == stored[0][2] for h, _, _ in stored[1:])
+    assert all(len(data) < 600 for _, data, _ in stored[1:])
+    # a reader of the whole subject rebuilds exactly the bytes the provider received
+    exchanges = await read_raw_exchanges(log.nc, provisioned.raw_stream, sid)
+    assert [e.request for e in exchanges] == list(provider.received)
+    session = await load(log, sid)
+    report = audit_session(session, exchanges, session_id=sid).report()
+    assert report.findings == [] and report.raw_matched == rounds
+    # one that starts at the fourth request (as a token-auditor replica from its checkpoint) reads the bases again
+    assembler = RawAssembler()
+    late: list[Any] = []
+    for message in batch:
+        if message.stream_seq >= stored[3][2]:
+            late += assembler.take(message.headers, message.data)
+            if assembler.wanted() is not None:
+                subject = f"sessionlog.raw.{sid}"
+                late += await read_raw_bases(reader, assembler, subject, until_seq=message.stream_seq)
+    assert [e.request for e in late] == list(provider.received)[3:]
 
 
 async def test_audit_exits_non_zero_when_there_are_findings(

@@ -25,7 +25,7 @@ from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
 from sessionlog.lru import LRU
 from sessionlog.pull import Delivery
-from sessionlog.reader import read_raw_exchanges
+from sessionlog.reader import StreamReader, read_raw_bases, read_raw_exchanges
 from sessionlog.record import Record
 from sessionlog.runner import NotReached, Projection, ProjectionRunner, SessionLogState
 from sessionlog.services import ProjectionService
@@ -157,11 +157,15 @@ class TokenAuditorService(ProjectionService[AuditState]):
             # The same checkpointed feed as the partitions': a consumer of this replica's own on the raw stream
             # (every replica reads every exchange and audits those of the sessions it owns).
             assembler = RawAssembler()
+            reader = StreamReader(self.log.nc, self.settings.raw_stream, timeout=self.settings.request_timeout_s)
 
             async def take(item: Delivery) -> None:
                 try:
-                    exchange = assembler.add(item.msg.headers or {}, item.msg.data)
-                    if exchange is not None:
+                    exchanges = assembler.take(item.msg.headers or {}, item.msg.data)
+                    if assembler.wanted() is not None:  # a delta whose base came before this replica's checkpoint
+                        subject = item.msg.subject
+                        exchanges += await read_raw_bases(reader, assembler, subject, until_seq=item.stream_seq)
+                    for exchange in exchanges:
                         RAW_EXCHANGES.inc()
                         await self._take_raw(item.msg.subject.rsplit(".", 1)[-1], exchange)
                 except Exception as err:  # a bad message must not stop the audit: the report reads the tee again

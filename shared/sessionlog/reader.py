@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Final
@@ -27,6 +28,8 @@ from .availability import retry_unanswered, translates_unavailable, unavailable_
 from .errors import CorruptLog, LogUnavailable
 from .provision import stored_subject
 from .record import ALL_EVENTS, Record, decode_record, events_filter, partition_filter, raw_subject
+
+log = logging.getLogger("sessionlog.reader")
 
 BATCH: Final = 256
 BATCH_MAX_BYTES: Final = 8 * 1024 * 1024
@@ -331,10 +334,34 @@ async def read_raw_exchanges(
     while True:
         batch, pending = await reader.direct_batch(subject, start)
         for message in batch:
-            exchange = assembler.add(message.headers, message.data)
-            if exchange is not None:
-                out.append(exchange)
+            out += assembler.take(message.headers, message.data)
+        if batch:
+            start = batch[-1].stream_seq + 1
         if not batch or pending == 0:
             break
+    out += await read_raw_bases(reader, assembler, subject, until_seq=start)
+    return out
+
+
+async def read_raw_bases(
+    reader: StreamReader, assembler: RawAssembler, subject: str, *, until_seq: int
+) -> list[RawExchange]:
+    """Read a session's raw subject again, from where `assembler.wanted()` says up to before `until_seq`, for the
+    bases of the deltas it could not rebuild; what still lacks a base then ends without request bytes (its root is
+    gone from the stream). The exchanges this completes."""
+    out: list[RawExchange] = []
+    start = assembler.wanted()
+    while start is not None and start < until_seq:
+        batch, pending = await reader.direct_batch(subject, start)
+        for message in batch:
+            if message.stream_seq >= until_seq:
+                break
+            out += assembler.take_base(message.headers, message.data)
+        if not batch or pending == 0 or batch[-1].stream_seq + 1 >= until_seq or assembler.wanted() is None:
+            break
         start = batch[-1].stream_seq + 1
+    if assembler.wanted() is not None:
+        log.warning("raw tee of %s: a request stored as a delta lacks its base on the stream; read without its bytes",
+                    subject)  # fmt: skip
+        out += assembler.give_up()
     return out

@@ -59,6 +59,14 @@ H_RAW_PARTS: Final = "Sessionlog-Parts"
 H_RAW_SESSION_SEQ: Final = "Sessionlog-Session-Seq"
 H_RAW_STATUS: Final = "Sessionlog-Upstream-Status"
 H_RAW_OUTCOME: Final = "Sessionlog-Outcome"
+# A request entry may be stored as a delta of the session's previous one (an agent's next request repeats its
+# context): its data is then only what follows the first `Sessionlog-Base-Prefix` bytes of the body of request
+# `Sessionlog-Base`, the whole body is `Sessionlog-Size` bytes, and the chain of deltas it ends starts with a whole
+# entry at stream seq `Sessionlog-Root-Seq` (where a reader that lacks the base reads the session's subject from).
+H_RAW_BASE: Final = "Sessionlog-Base"
+H_RAW_BASE_PREFIX: Final = "Sessionlog-Base-Prefix"
+H_RAW_SIZE: Final = "Sessionlog-Size"
+H_RAW_ROOT_SEQ: Final = "Sessionlog-Root-Seq"
 
 
 def raw_subject(session_id: str) -> str:

@@ -454,12 +454,27 @@ async def line_transits(client: httpx.AsyncClient, url: str, body: bytes) -> lis
     return transits
 
 
+async def settled_raw_bytes(log: SessionLog | None) -> int | None:
+    """The raw audit stream's bytes once the gateway's tee (published in the background) stopped adding to it."""
+    if log is None:
+        return None
+    last = -1
+    for _ in range(50):
+        stored = int((await log.js.stream_info(log.settings.raw_stream)).state.bytes)
+        if stored == last:
+            return stored
+        last = stored
+        await asyncio.sleep(0.1)
+    return last
+
+
 async def measure_record(
     provider_url: str,
     gateway_base: str,
     size: int,
     passthrough_url: str | None = None,
     pids: dict[str, int | None] | None = None,
+    log: SessionLog | None = None,
 ) -> dict[str, Any]:
     """Record mode's time to first byte against the direct call and the plain pass-through, one request to each
     in turn; with `pids` (`gateway`, `nats_server`, `passthrough`), the CPU each used per request over the rounds:
@@ -481,12 +496,15 @@ async def measure_record(
             await ttfb(client, url, body, headers)
             messages.append(reply)
         gc.collect()
+        raw_before = await settled_raw_bytes(log)
         before = await gateway_sums(client, metrics_url)
         cpu_before = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
         decode = []
+        sent = 0
         with timing():
             for _ in range(RECORD_ROUNDS[size]):
                 body = record_body(messages)
+                sent += len(body)
                 direct.append(await ttfb(client, provider_url, body, headers))
                 record.append(await ttfb(client, url, body, headers))
                 if passthrough_url is not None:  # the same body through the plain proxy: the floor of a hop
@@ -495,6 +513,11 @@ async def measure_record(
             cpu_after = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
         after = await gateway_sums(client, metrics_url)
         decode.append(decode_ms(record_body(messages)))
+    raw_after = await settled_raw_bytes(log)
+    raw_tee: dict[str, float] = {}
+    if raw_before is not None and raw_after is not None:  # only the record gateway tees during the rounds
+        raw_tee = {"stored_bytes_per_request": round((raw_after - raw_before) / RECORD_ROUNDS[size]),
+                   "request_bytes_per_request": round(sent / RECORD_ROUNDS[size])}  # fmt: skip
     cpu: dict[str, float] = {}
     for name, used in cpu_after.items():
         first = cpu_before[name]
@@ -518,6 +541,7 @@ async def measure_record(
         "overhead_ms": {"p50": round(r["p50"] - d["p50"], 4), "p99": round(r["p99"] - d["p99"], 4)},
         "gateway_work_mean_ms": work,
         "cpu_ms_per_request": cpu,  # user + system, from /proc (empty elsewhere)
+        "raw_tee": raw_tee,  # the audit stream's bytes stored per request, beside the bytes of the request itself
         "decode_ms": round(decode[0], 4),
         "gateway_work_over_decode": round(work / decode[0], 2),
     }
@@ -606,11 +630,11 @@ def main() -> dict[str, object]:
 
                 async def record_run() -> dict[str, Any]:
                     hop_url = proxies["passthrough"][0]
-                    out: dict[str, Any] = {
-                        str(s): await measure_record(direct_url, gateway_url, s, hop_url, pids) for s in SIZES
-                    }
                     log = await SessionLog.connect(settings)
                     try:
+                        out: dict[str, Any] = {
+                            str(s): await measure_record(direct_url, gateway_url, s, hop_url, pids, log) for s in SIZES
+                        }
                         out["chunk_lag"] = await measure_chunk_lag(log, direct_url, gateway_url)
                     finally:
                         await log.close()

@@ -99,6 +99,14 @@ def goals(r: dict[str, Any]) -> list[dict[str, Any]]:
             others = ", ".join(f"{name.replace('_', '-')} {ms:.2f} ms" for name, ms in cpu.items() if name != "gateway")
             rows.append(_row("record mode gateway CPU per request at 100 messages, ms", "", cpu["gateway"], None,
                              "bench_gateway", f"{others}; gateway by size {by_size}"))  # fmt: skip
+        tee = {k: get(x, "raw_tee") for k, x in record.items() if k.isdigit() and get(x, "raw_tee")}
+        if tee:
+            largest = max(tee, key=int)
+            v = tee[largest]["stored_bytes_per_request"] / tee[largest]["request_bytes_per_request"]
+            detail = ", ".join(f"{k}: {t['stored_bytes_per_request']:,} of {t['request_bytes_per_request']:,}"
+                               for k, t in tee.items())  # fmt: skip
+            rows.append(_row(f"raw tee bytes stored per request / the request's bytes, {int(largest):,} messages", "",
+                             round(v, 3), None, "bench_gateway", f"stored of sent bytes: {detail}"))  # fmt: skip
         diffs = {k: get(x, "record_minus_passthrough_ms.p99") for k, x in record.items() if k.isdigit()}
         v = diffs.get("100")
         rows.append(_row("record mode p99 minus pass-through proxy p99, 100 messages", "<= 1 ms", v,

@@ -48,7 +48,7 @@ def snapshot(session: Session) -> dict[str, Any]:
         "last_step": session.last_step,
         "open_step": None
         if step is None
-        else (step.number, dict(step.calls), frozenset(step.results), tuple(step.announced)),
+        else (step.number, dict(step.calls), frozenset(step.results), tuple(step.announced.values())),
         "closers": interrupted_turn_closers(session),
     }
 

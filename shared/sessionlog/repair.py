@@ -60,7 +60,7 @@ def interrupted_turn_closers(log: Session | Iterable[bytes | Event]) -> tuple[by
 
     step = session.open_step
     if step is not None:
-        for call in step.announced:
+        for call in step.announced.values():
             if call.id in step.results:
                 continue
             call_seq = step.calls.get(call.id)

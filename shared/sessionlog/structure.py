@@ -29,13 +29,13 @@ class Step:
         self.number = number
         self.calls: dict[str, int] = {}  # callId -> seq of its tool/call
         self.results: set[str] = set()
-        self.announced: list[ToolCallBlock] = []
+        self.announced: dict[str, ToolCallBlock] = {}  # by call id, in the order first announced
 
     def copy(self) -> Step:
         other = Step(self.number)
         other.calls = dict(self.calls)
         other.results = set(self.results)
-        other.announced = list(self.announced)
+        other.announced = dict(self.announced)
         return other
 
 
@@ -151,8 +151,8 @@ class Structure:
                 # A replacement's calls are announced too (dsh's closers register them); a call announced again
                 # keeps its first place, so it is closed once.
                 for block in event.data.message.content:
-                    if isinstance(block, ToolCallBlock) and all(c.id != block.id for c in step.announced):
-                        step.announced.append(block)
+                    if isinstance(block, ToolCallBlock) and block.id not in step.announced:
+                        step.announced[block.id] = block
         elif kind == "tool/result":
             if not replace and step is not None:
                 step.results.add(result_call_id(event))

@@ -22,19 +22,20 @@ from natsfixtures import new_session_id
 from scaffold import Opened, eventually
 
 from services.gateway import GatewayConfig, ScriptedProvider, ServerThread, UpstreamConfig, build_app
+from services.gateway import record as record_module
 from services.gateway.record_events import Exchange
 from services.repairer.service import RepairerService
 from sessionlog.audit import RawAssembler, audit_session
 from sessionlog.cli import main as cli_main
 from sessionlog.embedded import free_port
-from sessionlog.errors import SessionLogError
+from sessionlog.errors import HeaderDiverges, SessionLogError
 from sessionlog.jsonl import read_jsonl
 from sessionlog.log import SessionLog
 from sessionlog.openai_wire import ends_with_done, parse_raw_response
 from sessionlog.reader import StreamReader, read_raw_bases, read_raw_exchanges
 from sessionlog.session import Session
 from sessionlog.settings import Settings
-from sessionlog.wire import canonical, to_wire
+from sessionlog.wire import Divergence, canonical, to_wire
 
 pytest_plugins = ["natsfixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(90)]
@@ -1073,8 +1074,10 @@ async def test_an_idle_session_is_let_go_and_its_lease_released(
         b'{"model":"scripted-model","messages":[{"role":"tool","tool_call_id":"call_nobody_made","content":"x"}]}',
         b'{"model":"scripted-model","messages":[{"role":"system","content":"only a system message"}]}',
         b'{"model":["m"],"messages":[{"role":"user","content":"hi"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"' + b"x" * 700_000 + b'"}]}',
     ],
-    ids=["not-json", "unloggable-message", "tool-result-without-call", "no-conversation", "model-a-list"],
+    ids=["not-json", "unloggable-message", "tool-result-without-call", "no-conversation", "model-a-list",
+         "message-too-large-for-an-event"],
 )  # fmt: skip
 async def test_a_refused_first_request_creates_no_session(
     http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, body: bytes
@@ -1120,3 +1123,79 @@ async def test_a_streamed_answers_chunks_are_logged_in_records_of_the_record_win
     assert len(with_chunks) <= chunks // 2, f"{len(with_chunks)} records for {chunks} chunks over {last - started:.3f}s"
     session = await load(log, sid)
     assert types(session)[-2:] == ["step/end", "turn/end"]
+
+
+async def test_fields_given_as_null_and_an_empty_tools_array_are_fields_not_given(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    """The OpenAI Python SDK sends `"temperature": null` for `temperature=None`, and frameworks send `tools: []`
+    when an agent has no tools: the same request as without them, logged and forwarded without them."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "one"}, {"text": "two"}])
+    nulls = {"temperature": None, "stop": None, "max_tokens": None, "seed": None, "audio": None, "tools": []}
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "hi"}]
+    for stream in (False, True):
+        body = {"model": "scripted-model", "messages": messages, "stream": stream, **nulls}
+        reply = await complete(http, gateway, sid, body)
+        assert reply.status_code == 200, reply.text
+        text = parse_raw_response(reply.content).text if stream else reply.json()["choices"][0]["message"]["content"]
+        messages = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+    session = await load(log, sid)
+    headers = [e for e in session if e.type == "request/header"]
+    assert len(headers) == 1  # the second request changed nothing
+    config = msgspec.json.decode(headers[0].raw)["data"]["header"]["config"]
+    assert set(config) == {"provider", "model"} and "tools" not in msgspec.json.decode(headers[0].raw)["data"]["header"]
+    for received in provider.received:
+        assert not set(nulls) & set(msgspec.json.decode(received))
+    assert session.open_turn is None
+
+
+async def test_a_message_too_large_for_an_event_is_refused_and_the_session_is_free_at_once(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    """The refusal comes from the writer once the request's first events are queued: they are dropped, and the
+    session's lease is let go with them, so the client's next request is answered, not told SESSION_BUSY until the
+    lease expired."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "first"}, {"text": "second"}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+    first = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert first.status_code == 200, first.text
+    before = [e.raw for e in await load(log, sid)]
+    messages.append(first.json()["choices"][0]["message"])
+    huge = [*messages, {"role": "user", "content": "x" * 700_000}]
+    refused = await complete(http, gateway, sid, {"model": "scripted-model", "messages": huge})
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "EVENT_TOO_LARGE", refused.text
+    assert [e.raw for e in await load(log, sid)] == before and len(provider.received) == 1
+    small = [*messages, {"role": "user", "content": "a smaller question"}]
+    again = await complete(http, gateway, sid, {"model": "scripted-model", "messages": small})
+    assert again.status_code == 200, again.text
+
+
+async def test_a_check_that_fails_after_the_plan_passed_leaves_the_log_unchanged(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plan and the check agree on every request a client can send (a disagreement is a gateway bug, as
+    `null` fields were); if they ever disagree, the request is refused before anything of it is published."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "first"}, {"text": "second"}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+    first = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert first.status_code == 200, first.text
+    before = [e.raw for e in await load(log, sid)]
+    messages += [first.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+
+    def disagreeing(*_: Any, **__: Any) -> Divergence:
+        return Divergence(HeaderDiverges.code, "$.temperature", "a disagreement injected by the test")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(record_module, "compare_request", disagreeing)
+        refused = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == HeaderDiverges.code, refused.text
+    assert [e.raw for e in await load(log, sid)] == before and len(provider.received) == 1
+    again = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert again.status_code == 200, again.text

@@ -74,6 +74,8 @@ log = logging.getLogger("sessionlog.gateway")
 
 RELEASE_PREFIX: Final = "sessionlog.gateway.release."
 _FINISH_WAIT_S: Final = 5.0
+# Bytes an event adds around the message it carries (seq, time, type, turn and step, surface fields), at most.
+_EVENT_ENVELOPE: Final = 1024
 
 
 @dataclass(slots=True)
@@ -106,6 +108,7 @@ class Recorder:
     # ---------------------------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        self.planner.max_message_bytes = self.gateway.log.max_record_bytes - _EVENT_ENVELOPE
         nc = self.gateway.log.nc
         self._release_sub = await nc.subscribe(RELEASE_PREFIX + "*", cb=self._on_release)
         self._sweeper = asyncio.create_task(self._sweep(), name="record-sweeper")
@@ -226,7 +229,7 @@ class Recorder:
             if held.writer is not None:
                 writer = held.writer
                 held.writer = None
-                detach(writer.abandon())
+                detach(writer.discard())  # what it queued is not written, and its lease is let go at once
 
     async def _writer(self, session_id: str, held: _Held, parsed: dict[str, Any]) -> SessionWriter:
         """The session's writer: the one held, or the session opened (or created) under its lease. A session is
@@ -273,26 +276,20 @@ class Recorder:
 
     async def _log_request(self, call: Call, held: _Held, writer: SessionWriter, parsed: dict[str, Any]) -> Exchange:
         plan = self.planner.plan(held.known, writer.session, parsed)
-        # From here on events are queued: if one is refused (a rule the plan did not foresee), the writer is
-        # abandoned before its queue is published, so the log keeps nothing of this request.
+        # From here on events are queued: if one is refused (a rule the plan did not foresee), or the check below
+        # fails, the writer's queue is discarded before it is published, so the log keeps nothing of this request.
         held.dirty = True
         await write_plan(writer, plan)
-        # The record goes out first, and what is forwarded (the derivation, its check) is prepared while its
-        # acknowledgement is on the way: a JetStream round trip is most of record mode's own latency. Nothing is
-        # forwarded before the acknowledgement came; a check that fails still waits for it (the events are then
-        # logged, and the request refused, as when the check followed the flush).
+        exchange = self._exchange(call, held, writer, plan)
+        # Nothing is forwarded before the acknowledgement came.
         flushed = asyncio.ensure_future(writer.flush())
         try:
-            await _handed_to_the_connection()
-            self.planner.remember(held.known, plan, writer.session)
-            try:
-                exchange = self._exchange(call, held, writer, plan)
-            finally:
-                await flushed
-                held.dirty = False
+            await flushed
         except BaseException:
             flushed.cancel()  # a request cancelled while its record was in flight (the writer settles it)
             raise
+        self.planner.remember(held.known, plan, writer.session)
+        held.dirty = False
         return exchange
 
     def _exchange(self, call: Call, held: _Held, writer: SessionWriter, plan: Plan) -> Exchange:
@@ -332,13 +329,6 @@ class Recorder:
 
         return Exchange(session_id, writer, self.gateway.record_provider, finishing, free, forwarded, expected,
                         turn, step)  # fmt: skip
-
-
-async def _handed_to_the_connection() -> None:
-    """Two turns of the loop: the flush task publishes its record (queued on the NATS connection), and the
-    connection's flusher task writes it to the socket, before the caller goes on."""
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
 
 
 def _tenant_of(header: bytes) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import msgspec
 
-from sessionlog.errors import DerivationDiverges, InvalidRequest
+from sessionlog.errors import DerivationDiverges, EventTooLarge, InvalidRequest
 from sessionlog.events import ToolCallBlock, ToolResultBlock
 from sessionlog.session import DerivedMessage, Session
 from sessionlog.surface import ReplaceOp
@@ -94,9 +94,12 @@ class Plan:
 class Planner:
     """Plans requests against a session's state; it writes nothing."""
 
-    def __init__(self, *, history_edits: str, provider: str) -> None:
+    def __init__(self, *, history_edits: str, provider: str, max_message_bytes: int | None = None) -> None:
         self.history_edits = history_edits
         self.provider = provider
+        # A client's message larger than this is refused by the plan (EVENT_TOO_LARGE), before anything is
+        # queued: its event, with its envelope, would not fit in a record (the gateway sets it once connected).
+        self.max_message_bytes = max_message_bytes
 
     def plan(self, known: Known, session: Session, parsed: dict[str, Any]) -> Plan:
         """The plan of a request (`parsed` with its `messages` raw) against `session`; refusals raise."""
@@ -112,7 +115,9 @@ class Planner:
                                                                            derived[p]):  # fmt: skip
             p += 1
         system = content_text(client.system.get("content"), "$.messages[0]") if client.system is not None else None
-        fields = {k: v for k, v in parsed.items() if k != "messages"}
+        # A field given as null, or `tools: []`, is the field not given (the OpenAI SDKs send `null` for None, and
+        # frameworks an empty tools array): the header leaves them out, and so does what it is compared with.
+        fields = {k: v for k, v in parsed.items() if k != "messages" and v is not None and (k != "tools" or v != [])}
         header = request_header(fields, provider=self.provider, system=system)
         folded = session.fold_request_header()
         if folded is not None and (known.header is None or known.header[0] != folded.raw):
@@ -182,6 +187,13 @@ class Planner:
         role = wire["role"]
         prefix = {"user": "user", "tool": "result", "assistant": "client"}.get(role, "msg")
         message = logged_message(wire, new_id(prefix), where)
+        if self.max_message_bytes is not None:
+            size = len(msgspec.json.encode(message))
+            if size > self.max_message_bytes:
+                raise EventTooLarge(
+                    f"{where}: the message is {size} bytes logged; an event carries at most {self.max_message_bytes} "
+                    "bytes of message (a record's limit less the event's envelope)"
+                )
         calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
                  for c in wire.get("tool_calls") or ()]  # fmt: skip
         return New(role, message, calls, wire.get("tool_call_id", ""))

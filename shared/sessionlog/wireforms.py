@@ -17,6 +17,9 @@ JSON). The rules, each one a form that carries nothing the canonical form does n
 - Tool messages: `name` is dropped (the call's name is logged with the call).
 - Numbers: an integer-valued float equals the integer (`1.0` is `1`): JavaScript cannot tell them apart, so a
   Node client echoes `1` where Python sent `1.0`. This applies to every value compared, header fields included.
+- Request fields: one given as `null`, and `tools: []`, is the field not given (the OpenAI SDKs send `null` for a
+  parameter set to None, frameworks an empty tools array): `request_header` leaves them out, and record mode's plan
+  compares the request without them.
 - Reasoning: a client need not echo `reasoning_content`. Record mode accepts an assistant message without it as the
   logged message that has it (`reasoning_optional`); the provider then receives the derivation, reasoning included.
   Check mode keeps reasoning strict: the client wrote the log itself, so a request without it really differs.

@@ -208,6 +208,18 @@ class SessionWriter:
         await cancel_and_wait(self._task)
         await self._lease.stop()
 
+    async def discard(self) -> None:
+        """Stop without publishing what is queued, and release the lease: for events that must not be written (a
+        request refused once its first events were queued). What was flushed before stays; a batch already sent
+        lands or not, and a writer that takes the session next is fenced by the stream if it lands after its load
+        (every record names the seq it follows). Never raises: a lease that cannot be released expires."""
+        self._closed = True
+        await cancel_and_wait(self._task)
+        try:
+            await self._lease.release()
+        except Exception as err:
+            log.warning("writer of %s: releasing the lease after discarding its queue: %s", self.session_id, err)
+
     async def __aenter__(self) -> SessionWriter:
         return self
 

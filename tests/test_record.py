@@ -1199,3 +1199,43 @@ async def test_a_check_that_fails_after_the_plan_passed_leaves_the_log_unchanged
     assert [e.raw for e in await load(log, sid)] == before and len(provider.received) == 1
     again = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
     assert again.status_code == 200, again.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_refusal_is_logged_as_what_the_model_said_and_the_sdks_echo_of_it_extends_the_log(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    provisioned: Settings,
+    stream: bool,
+) -> None:
+    """OpenAI answers a refusal as `content: null` and `refusal`; the SDK's message, appended as it is, carries
+    both. The refusal is the text the model said: logged as the answer's text, and the echo is that message."""
+    sid = new_session_id("rec")
+    provider.load([{"refusal": "I can't help with that."}, {"text": "Sure."}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Do something you won't."}]
+    reply = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages, "stream": stream})
+    assert reply.status_code == 200, reply.text
+    if stream:
+        lines = [msgspec.json.decode(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+        refusal = "".join(c["choices"][0]["delta"].get("refusal") or "" for c in lines if c["choices"])
+        echoed = {"role": "assistant", "content": None, "refusal": refusal}
+    else:
+        echoed = reply.json()["choices"][0]["message"]
+    assert echoed["refusal"] == "I can't help with that." and echoed["content"] is None
+    messages += [echoed, {"role": "user", "content": "Then something else."}]
+    follow = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert follow.status_code == 200, follow.text
+    session = await load(log, sid)
+    answer = next(e for e in session if e.type == "assistant/message")
+    assert msgspec.json.decode(answer.raw)["data"]["message"]["content"] == [
+        {"type": "text", "text": "I can't help with that."}
+    ]
+    assert not any(e.is_replace for e in session)  # the echo extended the log
+    assert msgspec.json.decode(provider.received[1])["messages"][1] == {
+        "role": "assistant",
+        "content": "I can't help with that.",
+    }
+    report = audit_session(session, await raw_exchanges(log, provisioned, sid, 2), session_id=sid).report()
+    assert report.findings == [] and report.raw_matched == 2  # the raw answer's refusal is the logged text

@@ -36,8 +36,9 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "read", "arguments"
          {"role": "user", "content": "ab"}),
         ({"role": "tool", "tool_call_id": "c1", "name": "read", "content": "out"},
          {"role": "tool", "tool_call_id": "c1", "content": "out"}),
+        ({"role": "assistant", "content": None, "refusal": "I can't."}, {"role": "assistant", "content": "I can't."}),
     ],
-    ids=["null-content", "sdk-echo-keys", "empty-tool-calls", "text-parts", "tool-name"],
+    ids=["null-content", "sdk-echo-keys", "empty-tool-calls", "text-parts", "tool-name", "refusal-is-text"],
 )  # fmt: skip
 def test_client_wire_forms_have_one_canonical_form(client: dict[str, Any], canonical_form: dict[str, Any]) -> None:
     assert normal_message(client) == canonical_form
@@ -49,7 +50,8 @@ def test_integer_valued_floats_equal_integers_and_other_numbers_do_not() -> None
 
 
 def test_a_key_that_carries_something_keeps_a_message_different() -> None:
-    assert normal_message({"role": "assistant", "content": "x", "refusal": "no"})["refusal"] == "no"
+    assert normal_message({"role": "assistant", "content": "x", "audio": {"id": "a1"}})["audio"] == {"id": "a1"}
+    assert normal_message({"role": "user", "content": "x", "refusal": "no"})["refusal"] == "no"  # a user's is not text
 
 
 @pytest.mark.parametrize(

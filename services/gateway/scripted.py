@@ -7,6 +7,7 @@ received, so a test can assert that a refused request never reached it.
 A script is a JSON array or JSONL file of replies, used in order (`cycle` repeats them). A reply is an object:
 
 - `text`: the assistant's text; `reasoning_content`: DeepSeek-style reasoning, streamed before the text;
+- `refusal`: an OpenAI refusal instead of text (`content: null` and `refusal` in the message, `refusal` deltas);
 - `tool_calls`: `[{"id", "name", "arguments"}]` (arguments a string, streamed in pieces);
 - `usage`: `{"prompt_tokens", "completion_tokens"}` (default: a rough count), sent when streaming only if the
   request asks with `stream_options.include_usage`;
@@ -66,6 +67,7 @@ class _Reply(Struct, forbid_unknown_fields=True):
 
     text: str = ""
     reasoning_content: str = ""
+    refusal: str = ""
     tool_calls: list[_ToolCall] = []
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None
@@ -270,7 +272,7 @@ def _usage(reply: dict[str, Any], size: int) -> dict[str, Any]:
     usage = reply.get("usage")
     if isinstance(usage, dict):
         return usage
-    out_chars = len(reply.get("text", "")) + len(reply.get("reasoning_content", ""))
+    out_chars = len(reply.get("text", "")) + len(reply.get("reasoning_content", "")) + len(reply.get("refusal", ""))
     out_chars += sum(len(c.get("arguments", "")) for c in reply.get("tool_calls", ()))
     prompt, completion = max(1, size // 4), max(1, out_chars // 4)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -303,6 +305,8 @@ def _chunks(reply: dict[str, Any], model: str, include_usage: bool, size: int) -
         yield chunk({"reasoning_content": piece})
     for piece in _pieces(str(reply.get("text", ""))):
         yield chunk({"content": piece})
+    for piece in _pieces(str(reply.get("refusal", ""))):
+        yield chunk({"refusal": piece})
     for index, call in enumerate(reply.get("tool_calls", ())):
         head = {
             "index": index,
@@ -323,6 +327,8 @@ def _chunks(reply: dict[str, Any], model: str, include_usage: bool, size: int) -
 
 def _completion(reply: dict[str, Any], model: str, size: int) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": reply.get("text", "")}
+    if reply.get("refusal"):
+        message.update(content=None, refusal=reply["refusal"])
     if reply.get("reasoning_content"):
         message["reasoning_content"] = reply["reasoning_content"]
     if reply.get("tool_calls"):

@@ -94,10 +94,19 @@ class Delta(Struct):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    refusal: str | None = None  # OpenAI's refusal, sent instead of content: the text the model said
     tool_calls: list[ToolCallDelta] | None = None
 
 
 ResponseMessage = Delta
+
+
+def _said(delta: Delta) -> str | None:
+    """A delta's (or a whole message's) text: its content, and a refusal after it (a refusal is what the model
+    said, and the log keeps it as text)."""
+    if delta.refusal:
+        return (delta.content or "") + delta.refusal
+    return delta.content
 
 
 class _Choice(Struct):
@@ -222,7 +231,7 @@ class ResponseAssembler:
                 continue
             delta = choice.delta
             if delta is not None:
-                self._delta(delta.reasoning_content, delta.content, delta.tool_calls, out)
+                self._delta(delta.reasoning_content, _said(delta), delta.tool_calls, out)
             if choice.finish_reason is not None:
                 self._finish = choice.finish_reason
         return out
@@ -274,7 +283,7 @@ class ResponseAssembler:
                 continue
             message = choice.message or ResponseMessage()
             calls = [msgspec.structs.replace(c, index=i) for i, c in enumerate(message.tool_calls or ())]
-            self._delta(message.reasoning_content, message.content, calls, [])
+            self._delta(message.reasoning_content, _said(message), calls, [])
             if choice.finish_reason is not None:
                 self._finish = choice.finish_reason
 

@@ -13,7 +13,9 @@ JSON). The rules, each one a form that carries nothing the canonical form does n
 - Assistant messages: `tool_calls` absent, `null` or `[]` are the same; in a call, `type` defaults to `"function"`
   and keys other than `id`, `type`, `function.name` and `function.arguments` (a streaming `index`) are dropped.
   Keys whose value is `null` or empty (`refusal`, `audio`, `function_call`, `annotations`, as SDKs echo them) are
-  dropped; any other key stays and makes the message differ.
+  dropped; any other key stays and makes the message differ. A `refusal` string (OpenAI sends it instead of
+  content) is text after the content: the answer's text as the log holds it, since a refusal is what the model
+  said.
 - Tool messages: `name` is dropped (the call's name is logged with the call).
 - Numbers: an integer-valued float equals the integer (`1.0` is `1`): JavaScript cannot tell them apart, so a
   Node client echoes `1` where Python sent `1.0`. This applies to every value compared, header fields included.
@@ -122,6 +124,9 @@ def normal_message(message: Any, where: str = "$.messages[?]") -> dict[str, Any]
         reasoning = rest.pop("reasoning_content", None)
         if isinstance(reasoning, str) and reasoning:
             out["reasoning_content"] = reasoning
+        refusal = rest.get("refusal")
+        if isinstance(refusal, str):  # what the model said instead of content: logged as its text
+            out["content"] += rest.pop("refusal")
     elif role == "tool":
         rest.pop("name", None)
         call_id = rest.pop("tool_call_id", None)

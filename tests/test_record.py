@@ -1239,3 +1239,32 @@ async def test_a_refusal_is_logged_as_what_the_model_said_and_the_sdks_echo_of_i
     }
     report = audit_session(session, await raw_exchanges(log, provisioned, sid, 2), session_id=sid).report()
     assert report.findings == [] and report.raw_matched == 2  # the raw answer's refusal is the logged text
+
+
+async def test_more_than_one_choice_is_refused_before_anything_is_logged(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    """A step logs one answer: `n: 2` would have the provider answer twice and the log keep the first choice only,
+    so it is refused (422, nothing logged, nothing sent); `n: 1` is the default spelled out."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "one"}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}], "n": 2}
+    refused = await complete(http, gateway, sid, body)
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "UNSUPPORTED_CONTENT", refused.text
+    assert "$.n" in refused.json()["error"]["message"]
+    assert await log.header(sid) is None and len(provider.received) == 0
+    assert (await complete(http, gateway, sid, {**body, "n": 1})).status_code == 200
+
+
+async def test_an_empty_system_message_is_no_system_message_and_logs_one_header(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    sid = new_session_id("rec")
+    provider.load([{"text": "one"}, {"text": "two"}, {"text": "three"}])
+    messages: list[dict[str, Any]] = [{"role": "system", "content": ""}, {"role": "user", "content": "hi"}]
+    for n in range(3):
+        reply = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+        assert reply.status_code == 200, reply.text
+        messages += [reply.json()["choices"][0]["message"], {"role": "user", "content": f"more {n}"}]
+    headers = [e for e in await load(log, sid) if e.type == "request/header"]
+    assert len(headers) == 1, [msgspec.json.decode(h.raw)["data"] for h in headers]

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import msgspec
 
-from sessionlog.errors import DerivationDiverges, EventTooLarge, InvalidRequest
+from sessionlog.errors import DerivationDiverges, EventTooLarge, InvalidRequest, UnsupportedContent
 from sessionlog.events import ToolCallBlock, ToolResultBlock
 from sessionlog.session import DerivedMessage, Session
 from sessionlog.surface import ReplaceOp
@@ -115,9 +115,18 @@ class Planner:
                                                                            derived[p]):  # fmt: skip
             p += 1
         system = content_text(client.system.get("content"), "$.messages[0]") if client.system is not None else None
+        # An empty system message is none, as the derivation writes none (logged as "", it was a header change at
+        # every request, and the provider never received it either way).
+        if system == "":
+            system = None
         # A field given as null, or `tools: []`, is the field not given (the OpenAI SDKs send `null` for None, and
         # frameworks an empty tools array): the header leaves them out, and so does what it is compared with.
         fields = {k: v for k, v in parsed.items() if k != "messages" and v is not None and (k != "tools" or v != [])}
+        if fields.get("n", 1) != 1:
+            raise UnsupportedContent(
+                f"$.n: {fields['n']!r} choices cannot be logged: a step logs one answer (the provider would answer "
+                "each, and the log keep the first only); ask one at a time"
+            )
         header = request_header(fields, provider=self.provider, system=system)
         folded = session.fold_request_header()
         if folded is not None and (known.header is None or known.header[0] != folded.raw):

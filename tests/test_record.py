@@ -1268,3 +1268,33 @@ async def test_an_empty_system_message_is_no_system_message_and_logs_one_header(
         messages += [reply.json()["choices"][0]["message"], {"role": "user", "content": f"more {n}"}]
     headers = [e for e in await load(log, sid) if e.type == "request/header"]
     assert len(headers) == 1, [msgspec.json.decode(h.raw)["data"] for h in headers]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_an_answer_too_large_for_an_event_ends_its_turn_as_an_error_and_the_session_goes_on(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, stream: bool
+) -> None:
+    """The client has the whole answer; the log keeps what fits (its chunks, when streamed) and ends the turn with
+    an `EVENT_TOO_LARGE` error instead of leaving it open for the repairer, and the session takes the next request
+    at once."""
+    sid = new_session_id("rec")
+    big = "word " * 140_000  # 700 KB: more than one record carries
+    provider.load([{"text": big}, {"text": "short"}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Write a lot."}]
+    reply = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages, "stream": stream})
+    assert reply.status_code == 200
+    received = parse_raw_response(reply.content).text if stream else reply.json()["choices"][0]["message"]["content"]
+    assert received == big  # the client lost nothing
+    session = await load(log, sid)
+    assert session.open_turn is None
+    end = next(e for e in reversed(list(session)) if e.type == "turn/end")
+    reason = msgspec.json.decode(end.raw)["data"]["reason"]
+    assert reason["kind"] == "error" and reason["error"]["code"] == "EVENT_TOO_LARGE", reason
+    assert not any(e.type == "assistant/message" for e in session)
+    if stream:
+        logged = "".join(msgspec.json.decode(e.raw)["data"]["chunk"].get("text", "")
+                         for e in session if e.type == "assistant/chunk")  # fmt: skip
+        assert logged.startswith(big[:1000])
+    messages.append({"role": "user", "content": "Shorter, please."})  # a client that cannot log the answer drops it
+    again = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert again.status_code == 200, again.text

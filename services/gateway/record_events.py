@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
-from sessionlog.errors import SessionLogError
+from sessionlog.errors import EventTooLarge, SessionLogError
 from sessionlog.log import SessionWriter
 from sessionlog.wireforms import ResponseAssembler, SseLines
 
@@ -147,41 +147,48 @@ class Exchange:
             self._free(broken)
 
     async def _log_end(self, outcome: str, status: int, body: bytes | None, message: str) -> None:
-        emit = self.writer.emit
-        turn, step = self.turn, self.step
         if outcome == "forwarded" and status == 200:
-            if body is not None:
-                try:
-                    self.assembler.completion(msgspec.json.decode(body))
-                except msgspec.DecodeError:
-                    await self._close(
-                        "error", {"message": "the provider's answer is not JSON", "code": "UPSTREAM_ERROR"}
-                    )
-                    return
-            else:
-                for chunk in self.assembler.end():
-                    await self._chunk(chunk)
-            assembler = self.assembler
-            source = {"kind": "model", "provider": self.provider,
-                      "model": self.writer.session.fold_request_header().header.config.model}  # type: ignore[union-attr]  # fmt: skip
-            data: dict[str, Any] = {"turn": turn, "step": step,
-                                    "message": {"id": new_id("msg"), "role": "assistant", "source": source,
-                                                "content": assembler.content()}}  # fmt: skip
-            if assembler.usage is not None:
-                data["usage"] = assembler.usage
-            await emit("assistant/message", data, surface_op="append", source_event_seqs=list(self.chunk_seqs))
-            for c in assembler.calls():
-                await emit("tool/call", {"turn": turn, "step": step, "callId": c["id"], "name": c["name"],
-                                         "arguments": c["arguments"]})  # fmt: skip
-            if not assembler.calls():
-                reason = "max-tokens" if assembler.finish == "max-tokens" else "completed"
-                await self._close(reason)
+            try:
+                await self._log_answer(body)
+            except EventTooLarge as err:
+                # The client has the whole answer; the log keeps what fits (the chunks streamed so far) and says
+                # why the rest is not there, rather than leaving the turn open for the repairer.
+                await self._close("error", {"message": f"the answer could not be logged whole: {err.message}",
+                                            "code": err.code})  # fmt: skip
             return
         if outcome == "client_disconnected":
             await self._close("aborted")
             return
         await self._close("error", {"message": message or f"the provider answered HTTP {status}",
                                     "code": "UPSTREAM_ERROR", "status": status})  # fmt: skip
+
+    async def _log_answer(self, body: bytes | None) -> None:
+        emit = self.writer.emit
+        turn, step = self.turn, self.step
+        if body is not None:
+            try:
+                self.assembler.completion(msgspec.json.decode(body))
+            except msgspec.DecodeError:
+                await self._close("error", {"message": "the provider's answer is not JSON", "code": "UPSTREAM_ERROR"})
+                return
+        else:
+            for chunk in self.assembler.end():
+                await self._chunk(chunk)
+        assembler = self.assembler
+        source = {"kind": "model", "provider": self.provider,
+                  "model": self.writer.session.fold_request_header().header.config.model}  # type: ignore[union-attr]  # fmt: skip
+        data: dict[str, Any] = {"turn": turn, "step": step,
+                                "message": {"id": new_id("msg"), "role": "assistant", "source": source,
+                                            "content": assembler.content()}}  # fmt: skip
+        if assembler.usage is not None:
+            data["usage"] = assembler.usage
+        await emit("assistant/message", data, surface_op="append", source_event_seqs=list(self.chunk_seqs))
+        for c in assembler.calls():
+            await emit("tool/call", {"turn": turn, "step": step, "callId": c["id"], "name": c["name"],
+                                     "arguments": c["arguments"]})  # fmt: skip
+        if not assembler.calls():
+            reason = "max-tokens" if assembler.finish == "max-tokens" else "completed"
+            await self._close(reason)
 
     async def _close(self, kind: str, error: dict[str, Any] | None = None) -> None:
         reason: dict[str, Any] = {"kind": kind}

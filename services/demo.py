@@ -35,6 +35,7 @@ from rich.table import Table
 
 from sessionlog import contracts
 from sessionlog.agent import Agent
+from sessionlog.embedded import free_port
 from sessionlog.errors import OpenTurn, SessionLogError
 from sessionlog.log import SessionLog
 from sessionlog.micro import call
@@ -128,13 +129,6 @@ class Checks:
         return table
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _port_free(host: str, port: int) -> bool:
     with socket.socket() as sock:
         try:
@@ -150,9 +144,9 @@ def demo_settings() -> Settings:
     base = Settings()
     changes: dict[str, Any] = {"lease_ttl_s": 1.0, "lease_refresh_s": 0.3, "repair_grace_s": 0.5, "metrics_port": 0}
     if not _port_free(base.ui_host, base.ui_port):
-        changes["ui_port"] = _free_port()
+        changes["ui_port"] = free_port()
     if not _port_free(base.gateway_host, base.gateway_port):
-        changes["gateway_port"] = _free_port()
+        changes["gateway_port"] = free_port()
     return base.model_copy(update=changes)
 
 

@@ -6,9 +6,9 @@ hangs the module's loop. A module's own stack (`Harness`, `Stack`, `Logs`) subcl
 starts (a runner, a deriver, a repairer). `serving` runs one service for a module-scoped fixture.
 
 `ServiceProcess` runs a `sessionlog` command (a service, the scripted provider) as a subprocess of its own.
-`eventually` polls until something holds, `freeze` stops a server's process, `assert_contiguous` checks a
-session's records; the event builders live in `sessiongen`, the servers, the module's `log` and `bounded` (one
-teardown step that cannot hang) in `natsfixtures`.
+`eventually` polls until something holds, `outlived_its_ttl` until a writer's lease lived on through its refreshes,
+`freeze` stops a server's process, `assert_contiguous` checks a session's records; the event builders live in
+`sessiongen`, the servers, the module's `log` and `bounded` (one teardown step that cannot hang) in `natsfixtures`.
 """
 
 from __future__ import annotations
@@ -132,6 +132,18 @@ async def eventually(condition: Callable[[], Awaitable[bool]], what: str, timeou
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not within {timeout}s")
         await asyncio.sleep(0.02)
+
+
+async def outlived_its_ttl(writer: SessionWriter) -> None:
+    """Until the writer's lease was refreshed more than a TTL after the refresh before the call: the write confirmed
+    then has expired on the server, and the lease holds only through the refreshes since."""
+    keeper = writer.lease
+    since = keeper.confirmed_at
+
+    async def refreshed() -> bool:
+        return keeper.confirmed_at > since + keeper.lease.ttl_s
+
+    await eventually(refreshed, f"the lease of {writer.session_id} refreshed past its {keeper.lease.ttl_s:g}s TTL")
 
 
 async def freeze(pid: int) -> None:

@@ -139,18 +139,19 @@ async def test_with_no_answer_at_all_the_oldest_record_is_the_one_sent_again(cli
     window = PublishWindow(client)
     finished: list[bytes] = []
 
-    async def record(payload: bytes) -> None:
+    async def record(payload: bytes, attempt_s: float) -> None:
         with pytest.raises(nats.errors.TimeoutError):
-            await ask(window, subject, payload)
+            await ask(window, subject, payload, attempt_s=attempt_s)
         finished.append(payload)
 
-    old = asyncio.create_task(record(b"old"))
+    old = asyncio.create_task(record(b"old", ATTEMPT_S))
     while b"old" not in responder.held:
         await asyncio.sleep(0.01)
-    young = asyncio.create_task(record(b"young"))
-    await asyncio.wait_for(old, timeout=BUDGET_S)
-    assert finished == [b"old"]  # the younger record still waits: one probe per silent attempt
-    await asyncio.wait_for(young, timeout=2 * BUDGET_S)
+    # The younger record's attempts are shorter: several of them pass in silence while the older one is in flight,
+    # and it waits through them all (one probe per silent attempt, the oldest's). The order follows from that
+    # alone, not from how soon this task runs.
+    young = asyncio.create_task(record(b"young", ATTEMPT_S / 6))
+    await asyncio.wait_for(asyncio.gather(old, young), timeout=2 * BUDGET_S)
     assert finished == [b"old", b"young"]
 
 
@@ -189,14 +190,15 @@ async def test_answers_to_records_already_sent_again_are_progress_that_keeps_the
     await client.subscribe(subject, cb=hold)
     await client.flush()
     window = PublishWindow(client)
-    budget_s, attempt_s = 0.6, 0.1
+    # Answers come every half budget: a pause of this task longer than that (a second here) spends the budget.
+    budget_s, attempt_s, cap_s = 2.0, 2.0 / 6, 30.0
 
     async def record() -> Msg:  # what the store does: attempts while the budget lasts
         started = time.monotonic()
-        while window.remaining(started, budget_s, 10.0) > 0:
+        while window.remaining(started, budget_s, cap_s) > 0:
             try:
                 return await window.request(subject, b"r", {}, attempt_s=attempt_s, started=started,
-                                            budget_s=budget_s, cap_s=10.0)  # fmt: skip
+                                            budget_s=budget_s, cap_s=cap_s)  # fmt: skip
             except nats.errors.TimeoutError:
                 continue
         raise TimeoutError("no answer within the budget")

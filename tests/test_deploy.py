@@ -38,7 +38,7 @@ from sessiongen import closed_turn, user_message_data
 
 from services.gateway.derivation import StreamSource
 from services.stack import SERVICES, Stack
-from sessionlog.embedded import ClusterOptions, EmbeddedServer, find_server_binary, free_port
+from sessionlog.embedded import Cluster, EmbeddedServer, find_server_binary, free_port
 from sessionlog.events import encode_new_event
 from sessionlog.log import SessionLog
 from sessionlog.micro import call
@@ -424,10 +424,17 @@ def deploy_copy(dst: Path) -> Path:
     return dst
 
 
-def start_with_env(server: EmbeddedServer, wait: str = "ready") -> EmbeddedServer:
-    with pytest.MonkeyPatch.context() as mp:  # the nats-server process reads the passwords at start
+@contextlib.contextmanager
+def server_env() -> Iterator[None]:
+    """SERVER_ENV in the environment: a nats-server process reads the passwords when it starts."""
+    with pytest.MonkeyPatch.context() as mp:
         for key, value in SERVER_ENV.items():
             mp.setenv(key, value)
+        yield
+
+
+def start_with_env(server: EmbeddedServer, wait: str = "ready") -> EmbeddedServer:
+    with server_env():
         return server.start(wait=wait)  # type: ignore[arg-type]
 
 
@@ -1064,36 +1071,27 @@ async def test_the_gateway_records_a_session_under_its_own_user(single: Embedded
 
 @on_module_loop
 async def test_the_cluster_configs_form_a_cluster_that_keeps_r3_streams(tmp_path: Path) -> None:
-    route_ports = [free_port() for _ in NATS_NODES]
-    routes = [f"nats://127.0.0.1:{port}" for port in route_ports]
-    nodes = [
-        EmbeddedServer(
-            tmp_path / f"data{i}",
-            server_name=f"n{i + 1}",
-            cluster=ClusterOptions(name="sessionlog", port=route_ports[i], routes=routes),
-            extra_args=["-c", str(deploy_copy(tmp_path / f"config{i}") / "cluster" / f"n{i + 1}.conf")],
-            log_path=tmp_path / f"n{i + 1}.log",
-        )
-        for i in range(len(NATS_NODES))
-    ]
+    # Cluster picks the ports (and picks them again when one was taken before its node bound it); each node reads
+    # its own config, n1.conf to n3.conf. The flags for ports, routes and server names override the config's.
+    configs = [deploy_copy(tmp_path / f"config{i}") / "cluster" / f"n{i + 1}.conf" for i in range(len(NATS_NODES))]
+    cluster = Cluster(tmp_path / "data", size=len(NATS_NODES), name="sessionlog",
+                      extra_args=[["-c", str(config)] for config in configs])  # fmt: skip
     try:
-        for node in nodes:
-            start_with_env(node, wait="none")
-        for node in nodes:
-            node.wait_ready(30, healthy=True)
-        url = ",".join(node.url for node in nodes)
+        with server_env():
+            cluster.start()
+        url = cluster.url
         admin = await SessionLog.connect(role_settings(url, "admin", replicas=3))
         writer = await SessionLog.connect(role_settings(url, "writer", replicas=3))
         try:
             info = await admin.js.stream_info("SESSIONLOG")
             assert info.config.num_replicas == 3
-            for node in nodes:
+            for node in cluster.servers:
                 with urllib.request.urlopen(f"{node.monitor_url}/varz", timeout=5) as reply:
                     assert json.load(reply)["jetstream"]["config"]["sync_always"] is True
             await written_session(writer)
             written = await stream_messages(admin)
             assert written >= 1
-            nc, _ = await connect_as(nodes[2].url, "context-deriver")
+            nc, _ = await connect_as(cluster[2].url, "context-deriver")
             try:
                 with pytest.raises((nats.errors.TimeoutError, TimeoutError)):
                     await publish_record(nc, new_id(), timeout=1)
@@ -1106,5 +1104,5 @@ async def test_the_cluster_configs_form_a_cluster_that_keeps_r3_streams(tmp_path
             await writer.close()
             await admin.close()
     finally:
-        for node in nodes:
+        for node in cluster.servers:
             node.kill()

@@ -23,14 +23,17 @@ from scaffold import eventually
 
 from sessionlog.connection import connect, stop_embedded
 from sessionlog.embedded import (
+    PORT_FLOOR,
     Cluster,
     EmbeddedServer,
     ServerNotFound,
     ServerStartFailed,
     ServerTooOld,
     check_version,
+    ephemeral_port_range,
     free_port,
     parse_version,
+    port_pick_range,
 )
 from sessionlog.errors import LeaseHeld, LeaseLost, LogUnavailable
 from sessionlog.leases import Leases, ttl_header
@@ -110,6 +113,20 @@ def test_settings_read_the_environment_and_document_every_field(monkeypatch: pyt
 
 
 # --- the launcher --------------------------------------------------------------------------------------------
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice() -> None:
+    """A kernel-chosen port is an ephemeral one, which an outgoing connection made before the bind (a route between
+    two cluster nodes) can take as its source port: free_port picks below that range, and each port once."""
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports), ports
+    span = ephemeral_port_range()
+    if span is None or port_pick_range() is None:
+        pytest.skip(f"the ephemeral port range here ({span}) leaves no room below it: the kernel chooses")
+    assert all(PORT_FLOOR <= port < span[0] for port in ports), (span, ports)
+    for port in ports[:5]:  # free when handed out
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_a_server_stops_restarts_on_its_port_and_keeps_its_data(tmp_path: Path) -> None:

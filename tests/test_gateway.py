@@ -22,7 +22,8 @@ import openai
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
-from natsfixtures import new_session_id
+from natsfixtures import WAIT_S, new_session_id
+from scaffold import eventually
 
 from services.gateway import (
     ContextDeriverClient,
@@ -75,9 +76,15 @@ def provider_server(provider: ScriptedProvider) -> Iterator[ServerThread]:
         yield server
 
 
-def gateway_config(settings: Settings, provider_url: str, **changes: Any) -> GatewayConfig:
+def gateway_config(
+    settings: Settings, provider_url: str, *, upstream_timeout_s: float = 1.0, **changes: Any
+) -> GatewayConfig:
     upstream = UpstreamConfig(
-        "scripted", provider_url + "/v1", api_key="sk-upstream-secret", timeout_s=1.0, connect_timeout_s=1.0
+        "scripted",
+        provider_url + "/v1",
+        api_key="sk-upstream-secret",
+        timeout_s=upstream_timeout_s,
+        connect_timeout_s=1.0,
     )
     config = GatewayConfig(
         upstream=upstream,
@@ -581,26 +588,37 @@ async def test_an_unreachable_upstream_is_a_clear_error(provisioned: Settings, a
 
 
 async def test_a_client_disconnect_cancels_the_upstream_call(
-    http: httpx.AsyncClient, agent: Agent, provider: ScriptedProvider, gateway: ServerThread
+    provisioned: Settings, agent: Agent, provider: ScriptedProvider, provider_server: ServerThread
 ) -> None:
-    provider.load([{"text": " ".join(["slow"] * 50), "chunk_delay_s": 0.1}, {"delay_s": 0.8, "text": "late"}])
+    # A gateway of its own that waits long for the provider: what ends each upstream call below is the client's
+    # disconnect, never the gateway's own upstream timeout.
+    app = build_app(provisioned, gateway_config(provisioned, provider_server.url, upstream_timeout_s=30.0))
+    provider.load([{"text": " ".join(["slow"] * 50), "chunk_delay_s": 0.1}, {"delay_s": 5.0, "text": "late"}])
     await agent.start_turn("hello")
     body = msgspec.json.encode(agent.request(stream=True))
-    async with http.stream("POST", "/v1/chat/completions", content=body, headers=await agent.headers()) as response:
-        async for _ in response.aiter_bytes():
-            break  # the client goes away after the first bytes
-    deadline = time.monotonic() + 5
-    while provider.disconnects < 1 and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert provider.disconnects == 1 and provider.completed == 0
-    # Non-streaming: the client gives up while the provider is still thinking.
-    with pytest.raises(httpx.ReadTimeout):
-        await http.post("/v1/chat/completions", content=msgspec.json.encode(agent.request()),
-                        headers=await agent.headers(), timeout=0.3)  # fmt: skip
-    await asyncio.sleep(1.0)
-    assert provider.completed == 0  # its answer had nowhere to go: the upstream call was cancelled
-    metrics = (await http.get("/metrics")).text
-    assert "sessionlog_gateway_client_disconnects_total 2.0" in metrics
+    with ServerThread(app) as gateway:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+            async with http.stream("POST", "/v1/chat/completions", content=body,
+                                   headers=await agent.headers()) as response:  # fmt: skip
+                async for _ in response.aiter_bytes():
+                    break  # the client goes away after the first bytes
+
+            async def cancelled(calls: int) -> bool:
+                return provider.disconnects == calls
+
+            await eventually(lambda: cancelled(1), "the provider sees the stream cancelled")
+            assert provider.completed == 0
+            # Non-streaming: the client gives up while the provider is still thinking.
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/chat/completions", content=msgspec.json.encode(agent.request()),
+                                headers=await agent.headers(), timeout=0.3)  # fmt: skip
+
+            async def counted() -> bool:
+                return "sessionlog_gateway_client_disconnects_total 2.0" in (await http.get("/metrics")).text
+
+            await eventually(lambda: cancelled(2), "the provider sees the call cancelled")
+            await eventually(counted, "the gateway counts both clients gone")
+            assert provider.completed == 0  # its answer had nowhere to go: the upstream call was cancelled
 
 
 # ---------------------------------------------------------------------------------------------- raw tee
@@ -651,11 +669,11 @@ async def test_a_large_request_is_teed_in_parts(provisioned: Settings, log: Sess
     sub = await log.js.subscribe(raw_subject(session_id), stream=provisioned.raw_stream, ordered_consumer=True)
     parts = []
     try:
-        while True:
-            try:
-                parts.append(await sub.next_msg(timeout=0.5))
-            except nats.errors.TimeoutError:
-                break
+        deadline = time.monotonic() + WAIT_S
+        while len(parts) < 7:
+            parts.append(await sub.next_msg(timeout=max(0.1, deadline - time.monotonic())))
+        with pytest.raises(nats.errors.TimeoutError):  # stored before drain() returned: an eighth would be here
+            await sub.next_msg(timeout=0.5)
     finally:
         await sub.unsubscribe()
     assert len(parts) == 7 and all(p.headers["Sessionlog-Parts"] == "7" for p in parts)  # type: ignore[index]

@@ -9,6 +9,7 @@ makes the gateway read. Real nats-server, real writers.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 
 import nats.js.errors
@@ -71,6 +72,26 @@ async def watched(source: StreamSource, writer: SessionWriter) -> int:
     await source.derive(writer.session_id, seq)
     await settled(source, writer.session_id, seq)
     return seq
+
+
+class Clock:
+    """A monotonic clock for the tails module that moves only when a test moves it: a confirmation ages by exactly
+    what the test says, however late the loop runs the test or a read in the background."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def frozen_clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(tails, "time", clock)
+    return clock
 
 
 def same(derived: Derivation, writer: SessionWriter) -> bool:
@@ -216,13 +237,13 @@ async def test_a_watch_answers_only_shortly_after_the_read_that_confirmed_it(
 ) -> None:
     """A record no hint announced (one accepted just before the subscription reached the server, a confirming read
     answered by a follower that lags) is missed for at most `CONFIRMED_FOR_S`: after that the tail is read."""
-    monkeypatch.setattr(tails, "CONFIRMED_FOR_S", 0.3)
+    clock = frozen_clock(monkeypatch)
     writer = await log.create(new_session_id("tail"))
     try:
         seq = await watched(source, writer)
         _, how = await made(source, writer.session_id, seq)
         assert how == "watched"
-        await asyncio.sleep(0.4)
+        clock.advance(tails.CONFIRMED_FOR_S + 0.01)
         _, how = await made(source, writer.session_id, seq)
         assert how == "read", "the confirmation is older than CONFIRMED_FOR_S"
         await settled(source, writer.session_id, writer.durable_seq)  # that request's read confirmed it again
@@ -289,15 +310,18 @@ async def test_a_session_in_use_keeps_its_watch_confirmed_without_reads_on_the_r
 ) -> None:
     """Answered from its watch past half the confirmation's life, a session is read again in the background: a
     session asked for more often than that never pays a read on a request's path because its confirmation aged."""
-    monkeypatch.setattr(tails, "CONFIRMED_FOR_S", 0.3)
+    clock = frozen_clock(monkeypatch)
     writer = await log.create(new_session_id("tail"))
     try:
         seq = await watched(source, writer)
         ways = []
-        for _ in range(12):  # 1.2 s: four times the confirmation's life
+        for _ in range(12):  # four times the confirmation's life, a request every third of it
             _, how = await made(source, writer.session_id, seq)
             ways.append(how)
-            await asyncio.sleep(0.1)
+            # The read in the background that a request past half the life started is over before the next
+            # request: what is tested is that it was started, not how fast this machine reads.
+            await settled(source, writer.session_id, seq)
+            clock.advance(tails.CONFIRMED_FOR_S / 3)
         assert ways == ["watched"] * 12
     finally:
         await writer.close()

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 from conftest import dsh_header_problem
 from natsfixtures import new_session_id
-from scaffold import LEASE_TTL_S, Opened, eventually
+from scaffold import LEASE_TTL_S, Opened, eventually, outlived_its_ttl
 from sessiongen import SessionBuilder, text_block, tool_call_block
 
 from sessionlog.errors import SessionLogError
@@ -296,7 +296,8 @@ async def test_resume_of_a_closed_session_appends_only_an_end_seed_and_a_second_
 
 
 async def test_resume_while_a_live_writer_holds_the_session_is_lease_held_and_appends_nothing(logs: Logs) -> None:
-    log = await logs.connect()
+    # A 3 s lease refreshed 4 times a second: a refresh that comes late on a busy machine does not lose it.
+    log = await logs.connect(lease_ttl_s=3.0, lease_refresh_s=0.25)
     sid = new_session_id()
     writer = logs.keep(await log.create(sid))
     b = SessionBuilder()
@@ -312,7 +313,7 @@ async def test_resume_while_a_live_writer_holds_the_session_is_lease_held_and_ap
             await elsewhere.resume(sid)
         assert refused.value.code == "LEASE_HELD"
         if attempt == 0:
-            await asyncio.sleep(LEASE_TTL_S * 1.5)  # the live writer keeps refreshing past its TTL
+            await outlived_its_ttl(writer)  # the live writer keeps refreshing past its TTL
     assert await log.reader.events(sid) == b.events
     await writer.close()
 

@@ -6,7 +6,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from natsfixtures import log_settings, new_session_id, start_server
+from natsfixtures import WAIT_S, log_settings, new_session_id, start_server
+from scaffold import eventually
 
 from services.context_deriver import ContextDeriver
 from sessionlog.errors import PurgeRefused, SessionNotFound
@@ -53,11 +54,11 @@ async def test_purge_erases_records_and_header_and_projections_forget(tmp_path: 
         assert await log.reader.events(session_id) == []
         assert await log.header(session_id) is None
         assert [s.id for s in await log.sessions()] == [keep]
-        for _ in range(100):
-            if session_id not in runner.states:
-                break
-            await asyncio.sleep(0.02)
-        assert session_id not in runner.states
+
+        async def forgotten() -> bool:
+            return session_id not in runner.states
+
+        await eventually(forgotten, "the runner forgets the purged session", WAIT_S)
         with pytest.raises(SessionNotFound):
             await log.purge(session_id)
         assert len(await log.reader.events(keep)) == 2
@@ -91,10 +92,11 @@ async def test_a_purge_tells_the_projection_to_forget_the_session_exactly_once(t
         assert projection.forgotten == [not_held]
         for session_id in (held, not_held):
             await log.purge(session_id)
-        for _ in range(100):
-            if projection.forgotten.count(held) and projection.forgotten.count(not_held) > 1:
-                break
-            await asyncio.sleep(0.02)
+
+        async def told() -> bool:
+            return projection.forgotten.count(held) > 0 and projection.forgotten.count(not_held) > 1
+
+        await eventually(told, "the projection told to forget both purged sessions", WAIT_S)
         await asyncio.sleep(0.2)  # a second call, were there one, comes with the first
         assert projection.forgotten == [not_held, held, not_held]
         await runner.stop()

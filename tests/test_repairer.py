@@ -26,7 +26,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 from natsfixtures import new_session_id
-from scaffold import LEASE_TTL_S, WAIT_S, Opened, eventually
+from scaffold import LEASE_TTL_S, WAIT_S, Opened, eventually, outlived_its_ttl
 from sessiongen import assistant_message_data, closed_turn, user_message_data
 
 from services.repairer.service import RepairerService
@@ -231,11 +231,17 @@ def _result(call: dict[str, Any]) -> dict[str, Any]:
 
 async def test_the_repairer_leaves_a_live_writer_alone(stack: Stack) -> None:
     await stack.repairer()
-    log = await stack.connect()
+    # A 4 s lease, refreshed every second: a refresh that comes late on a busy machine does not lose it (and a lost
+    # lease would rightly have the turn closed).
+    ttl_s = 4.0
+    log = await stack.connect(lease_ttl_s=ttl_s)
     writer = await stack.create(log)
     await open_turn(writer, [("c1", True)])
     length = writer.next_seq
-    await asyncio.sleep(LEASE_TTL_S * 2 + GRACE_S * 3)  # a long tool body: the writer keeps refreshing its lease
+    # A long tool body: the writer lives on through its refreshes past the lease's TTL, and the repairer, which
+    # closes a turn once its lease expired, has had its grace three times over.
+    await outlived_its_ttl(writer)
+    await asyncio.sleep(GRACE_S * 3)
     assert len(await log.reader.events(writer.session_id)) == length, "nothing appended while the writer lives"
     result = _result({"turn": 1, "step": 1, "callId": "c1"})
     await writer.emit("tool/result", result, surface_op="append", source_event_seqs=[length - 1])

@@ -15,7 +15,7 @@ import pytest_asyncio
 from browserfixtures import skip_without_chromium
 from conftest import REPO_ROOT
 from natsfixtures import new_session_id
-from scaffold import serving
+from scaffold import eventually, serving
 from sessiongen import text_block, tool_call_block, tool_result_data, user_message_data
 
 from services.ui_replayer.service import UIReplayerService
@@ -122,6 +122,11 @@ async def compacted_forked_interrupted(log: SessionLog) -> tuple[str, str, dict[
     return writer.session_id, child, seqs
 
 
+async def in_fleet_index(ui: UIReplayerService, session_id: str) -> bool:
+    """Whether the UI's fleet index, which the overview and its search read, holds the session with its events."""
+    return session_id in ui.fleet.rows and ui.fleet.rows[session_id].events > 0
+
+
 async def visible_text(tab: Any, selector: str) -> str:
     locator = tab.locator(selector).first
     await locator.wait_for(state="visible", timeout=WAIT_MS)
@@ -152,6 +157,7 @@ async def test_a_compacted_forked_interrupted_session_reads_as_a_person_expects(
     assert await page.locator("main img").count() == 0 and await page.locator("main script").count() == 0
     assert page.dialogs == [] and page.errors == []
     await save(page, tmp_path, "compacted-forked-interrupted")
+    await eventually(lambda: in_fleet_index(ui, child), "the child in the fleet index")
     await page.goto(f"{ui.url}/?q={child}")
     assert await page.locator("table.sessions a.session-link").all_inner_texts() == [child]
 

@@ -26,6 +26,7 @@ from test_fixtures_corpus import FIXTURE_FILES, import_corpus, read_fixture
 
 from services.stack import Stack, factory
 from services.ui_replayer.service import UIReplayerService
+from sessionlog.embedded import free_port
 from sessionlog.errors import CODES, PortInUse, error_from_code
 from sessionlog.events import SURFACE_TYPES
 from sessionlog.log import SessionLog, SessionWriter
@@ -333,7 +334,7 @@ async def test_the_registered_factory_serves_on_the_configured_port_and_rebuilds
     nats_server: Any, ui: UIReplayerService, fixtures: dict[str, str]
 ) -> None:
     await ui.stop()  # one runner of this projection at a time: durables are per projection name
-    settings = log_settings(nats_server.url, ui_port=_free_port())
+    settings = log_settings(nats_server.url, ui_port=free_port())
     own = await SessionLog.connect(settings)
     try:
         handle = await factory("ui-replayer")(own, RunOptions(rebuild=True))
@@ -366,9 +367,3 @@ async def test_a_stack_whose_ui_replayer_cannot_take_its_port_refuses_and_stops_
     # The context-deriver started first, on the stack's own connection: it no longer answers.
     with pytest.raises(nats.errors.NoRespondersError):
         await log.nc.request("sessionlog.context.stats", b"{}", timeout=WAIT_S)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

@@ -21,7 +21,7 @@ from scaffold import WAIT_S, eventually, serving
 from sessiongen import closed_turn, text_block, tool_call_block, tool_result_data, user_message_data
 from test_fixtures_corpus import read_fixture
 from test_runner import publish_raw
-from test_ui_browser import answer, compacted_forked_interrupted
+from test_ui_browser import answer, compacted_forked_interrupted, in_fleet_index
 
 from services.ui_replayer.service import UIReplayerService
 from sessionlog.log import SessionLog
@@ -168,7 +168,7 @@ async def test_fork_lineage_is_a_tree_and_repair_closers_are_marked_synthetic_in
     ui: UIReplayerService, log: SessionLog, http: httpx.AsyncClient, page: Any
 ) -> None:
     parent, child, _ = await compacted_forked_interrupted(log)
-    await eventually(lambda: _has_row(ui, child), "the child in the fleet index")
+    await eventually(lambda: in_fleet_index(ui, child), "the child in the fleet index")
     lineage = (await http.get(f"/api/sessions/{child}/lineage")).json()
     assert lineage["parent"] == parent and lineage["ancestors"] == [parent]
     assert (await http.get(f"/api/sessions/{parent}/lineage")).json()["children"] == [child]
@@ -198,10 +198,6 @@ async def test_fork_lineage_is_a_tree_and_repair_closers_are_marked_synthetic_in
 
 def len_of(response: httpx.Response) -> int:
     return int(response.json()["events"])
-
-
-async def _has_row(ui: UIReplayerService, session_id: str) -> bool:
-    return session_id in ui.fleet.rows and ui.fleet.rows[session_id].events > 0
 
 
 async def test_a_dsh_session_that_dsh_repaired_shows_its_synthetic_result_in_the_models_view(
@@ -285,7 +281,7 @@ async def test_the_overview_and_the_session_page_show_a_new_event_without_a_relo
         await writer.emit("turn/start", {"turn": 1})
         await writer.emit("user/message", user_message_data("First.", "u1"), surface_op="append")
         await writer.flush()
-        await eventually(lambda: _has_row(ui, writer.session_id), "the live session in the index")
+        await eventually(lambda: in_fleet_index(ui, writer.session_id), "the live session in the index")
         await page.goto(ui.url + "/")
         await page.locator("#live-status.on").wait_for(state="attached", timeout=WAIT_MS)
         row = page.locator(f"#fleet-rows tr[data-id='{writer.session_id}']")
@@ -361,7 +357,7 @@ async def test_markup_in_every_field_of_the_log_is_shown_as_text_on_every_page(
     sid = writer.session_id
     audit = (await http.get(f"/api/sessions/{sid}/audit")).json()
     assert any(XSS_RAW in f["message"] for f in audit["findings"])
-    await eventually(lambda: _has_row(ui, sid), "the session in the index")
+    await eventually(lambda: in_fleet_index(ui, sid), "the session in the index")
     for path in ("/", f"/sessions/{sid}", f"/sessions/{sid}/context", f"/sessions/{sid}/audit", f"/sessions/{sid}/raw"):
         response = await http.get(path)
         assert response.status_code == 200, path

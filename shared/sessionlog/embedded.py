@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -27,6 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,11 +108,64 @@ def binary_version(binary: Path) -> str:
     return text
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    """A port that was free a moment ago. Racy by nature; callers that pick ports retry on a bind failure."""
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORT_FLOOR = 10_000  # free_port's picks start here: below are well-known services (postgres 5432, nats 4222, ...)
+_RECENT_PORTS: deque[int] = deque(maxlen=1024)  # handed out by free_port in this process, newest last
+_PORTS_LOCK = threading.Lock()
+_RANDOM = random.SystemRandom()  # not the global generator, which a test (Hypothesis) may have seeded
+
+
+def ephemeral_port_range() -> tuple[int, int] | None:
+    """The kernel's range of ephemeral source ports (Linux), or None where it cannot be read."""
+    try:
+        low, high = EPHEMERAL_RANGE_FILE.read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return None
+
+
+def port_pick_range() -> range | None:
+    """The ports `free_port` picks from: PORT_FLOOR up to the kernel's ephemeral range; None where that range cannot
+    be read or leaves fewer than 1,000 ports below it (the kernel chooses then)."""
+    span = ephemeral_port_range()
+    if span is None or span[0] - PORT_FLOOR < 1000:
+        return None
+    return range(PORT_FLOOR, span[0])
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port that was free a moment ago, and that this process has not handed out recently. Racy by nature;
+    callers that pick ports retry on a bind failure.
+
+    On Linux it is picked at random below the kernel's ephemeral range: a port the kernel chose (bind to port 0)
+    lies inside that range, where any outgoing connection made before the bind, a route between two cluster nodes
+    or a client's, can take it as its source port. Elsewhere, or when the range leaves too little room below it,
+    the kernel chooses."""
+    picks = port_pick_range()
+    with _PORTS_LOCK:
+        if picks is not None:
+            for _ in range(200):
+                port = _RANDOM.choice(picks)
+                if port not in _RECENT_PORTS and _bindable(host, port):
+                    _RECENT_PORTS.append(port)
+                    return port
+        for _ in range(200):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
+            if port not in _RECENT_PORTS:
+                _RECENT_PORTS.append(port)
+                return port
+    raise OSError(f"no free port on {host} that was not handed out already")
 
 
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
@@ -419,7 +474,9 @@ class Cluster(_StartStop):
     """`size` routed nats-server nodes on loopback, each with its own data folder under `base_dir`.
 
     Node names are `<name>-0`, `<name>-1`, ...; JetStream in a cluster needs stable, distinct server names, and
-    a restarted node keeps its name, ports and folder so it rejoins as the same peer.
+    a restarted node keeps its name, ports and folder so it rejoins as the same peer. `extra_args`, when given,
+    holds one argument list per node, in node order, added to its command line (a config file: `["-c", path]`;
+    the cluster's own flags for ports, names and routes override what a config file says).
     """
 
     def __init__(
@@ -431,13 +488,17 @@ class Cluster(_StartStop):
         binary: str | os.PathLike[str] | None = None,
         host: str = LOOPBACK,
         start_timeout_s: float = 30.0,
+        extra_args: Sequence[Sequence[str]] = (),
     ) -> None:
         if size < 1:
             raise ValueError("a cluster needs at least one node")
+        if extra_args and len(extra_args) != size:
+            raise ValueError(f"extra_args holds {len(extra_args)} argument lists for a cluster of {size} nodes")
         self.base_dir = Path(base_dir)
         self.name = name
         self.start_timeout_s = start_timeout_s
         self._size, self._host, self._binary = size, host, binary
+        self._extra_args = [tuple(args) for args in extra_args] or [() for _ in range(size)]
         self._started_once = False
         self.servers = self._nodes()
 
@@ -456,6 +517,7 @@ class Cluster(_StartStop):
                 server_name=f"{name}-{i}",
                 cluster=ClusterOptions(name=name, port=route_ports[i], routes=routes),
                 start_timeout_s=self.start_timeout_s,
+                extra_args=self._extra_args[i],
             )
             for i in range(self._size)
         ]

@@ -1150,6 +1150,18 @@ async def test_fields_given_as_null_and_an_empty_tools_array_are_fields_not_give
     assert session.open_turn is None
 
 
+async def one_answered_request(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, sid: str
+) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """A session with one answered request (the provider scripted for one more): the client's messages with the
+    answer appended, and the log's events as raw bytes."""
+    provider.load([{"text": "first"}, {"text": "second"}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+    first = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert first.status_code == 200, first.text
+    return [*messages, first.json()["choices"][0]["message"]], [e.raw for e in await load(log, sid)]
+
+
 async def test_a_message_too_large_for_an_event_is_refused_and_the_session_is_free_at_once(
     http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
 ) -> None:
@@ -1157,12 +1169,7 @@ async def test_a_message_too_large_for_an_event_is_refused_and_the_session_is_fr
     session's lease is let go with them, so the client's next request is answered, not told SESSION_BUSY until the
     lease expired."""
     sid = new_session_id("rec")
-    provider.load([{"text": "first"}, {"text": "second"}])
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-    first = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
-    assert first.status_code == 200, first.text
-    before = [e.raw for e in await load(log, sid)]
-    messages.append(first.json()["choices"][0]["message"])
+    messages, before = await one_answered_request(http, gateway, provider, log, sid)
     huge = [*messages, {"role": "user", "content": "x" * 700_000}]
     refused = await complete(http, gateway, sid, {"model": "scripted-model", "messages": huge})
     assert refused.status_code == 413 and refused.json()["error"]["code"] == "EVENT_TOO_LARGE", refused.text
@@ -1182,12 +1189,8 @@ async def test_a_check_that_fails_after_the_plan_passed_leaves_the_log_unchanged
     """The plan and the check agree on every request a client can send (a disagreement is a gateway bug, as
     `null` fields were); if they ever disagree, the request is refused before anything of it is published."""
     sid = new_session_id("rec")
-    provider.load([{"text": "first"}, {"text": "second"}])
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-    first = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
-    assert first.status_code == 200, first.text
-    before = [e.raw for e in await load(log, sid)]
-    messages += [first.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+    messages, before = await one_answered_request(http, gateway, provider, log, sid)
+    messages.append({"role": "user", "content": "more"})
 
     def disagreeing(*_: Any, **__: Any) -> Divergence:
         return Divergence(HeaderDiverges.code, "$.temperature", "a disagreement injected by the test")

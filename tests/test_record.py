@@ -32,7 +32,7 @@ from sessionlog.errors import HeaderDiverges, SessionLogError
 from sessionlog.jsonl import read_jsonl
 from sessionlog.log import SessionLog
 from sessionlog.openai_wire import ends_with_done, parse_raw_response
-from sessionlog.reader import StreamReader, read_raw_bases, read_raw_exchanges
+from sessionlog.reader import RawFeed, StreamReader, read_raw_exchanges
 from sessionlog.session import Session
 from sessionlog.settings import Settings
 from sessionlog.wire import Divergence, canonical, to_wire
@@ -701,15 +701,12 @@ async def test_a_long_sessions_raw_tee_stores_requests_as_deltas_that_every_read
     session = await load(log, sid)
     report = audit_session(session, exchanges, session_id=sid).report()
     assert report.findings == [] and report.raw_matched == rounds
-    # one that starts at the fourth request (as a token-auditor replica from its checkpoint) reads the bases again
-    assembler = RawAssembler()
+    # a feed that starts at the fourth request (a token-auditor replica from its checkpoint) reads the bases again
+    feed = RawFeed(reader)
     late: list[Any] = []
     for message in batch:
         if message.stream_seq >= stored[3][2]:
-            late += assembler.take(message.headers, message.data)
-            if assembler.wanted() is not None:
-                subject = f"sessionlog.raw.{sid}"
-                late += await read_raw_bases(reader, assembler, subject, until_seq=message.stream_seq)
+            late += await feed.take(message.subject, message.stream_seq, message.headers, message.data)
     assert [e.request for e in late] == list(provider.received)[3:]
 
 

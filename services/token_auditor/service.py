@@ -12,7 +12,6 @@ from prometheus_client import Counter
 from sessionlog import contracts
 from sessionlog.audit import (
     AuditReport,
-    RawAssembler,
     RawExchange,
     SessionAuditor,
     TokenCounts,
@@ -25,7 +24,7 @@ from sessionlog.ids import check_session_id
 from sessionlog.log import SessionLog
 from sessionlog.lru import LRU
 from sessionlog.pull import Delivery
-from sessionlog.reader import StreamReader, read_raw_bases, read_raw_exchanges
+from sessionlog.reader import RawFeed, StreamReader, read_raw_exchanges
 from sessionlog.record import Record
 from sessionlog.runner import NotReached, Projection, ProjectionRunner, SessionLogState
 from sessionlog.services import ProjectionService
@@ -156,15 +155,13 @@ class TokenAuditorService(ProjectionService[AuditState]):
         if self._raw_feed:
             # The same checkpointed feed as the partitions': a consumer of this replica's own on the raw stream
             # (every replica reads every exchange and audits those of the sessions it owns).
-            assembler = RawAssembler()
-            reader = StreamReader(self.log.nc, self.settings.raw_stream, timeout=self.settings.request_timeout_s)
+            feed = RawFeed(StreamReader(self.log.nc, self.settings.raw_stream, timeout=self.settings.request_timeout_s))
 
             async def take(item: Delivery) -> None:
                 try:
-                    exchanges = assembler.take(item.msg.headers or {}, item.msg.data)
-                    if assembler.wanted() is not None:  # a delta whose base came before this replica's checkpoint
-                        subject = item.msg.subject
-                        exchanges += await read_raw_bases(reader, assembler, subject, until_seq=item.stream_seq)
+                    exchanges = await feed.take(
+                        item.msg.subject, item.stream_seq, item.msg.headers or {}, item.msg.data
+                    )
                     for exchange in exchanges:
                         RAW_EXCHANGES.inc()
                         await self._take_raw(item.msg.subject.rsplit(".", 1)[-1], exchange)

@@ -365,3 +365,20 @@ async def read_raw_bases(
                     subject)  # fmt: skip
         out += assembler.give_up()
     return out
+
+
+class RawFeed:
+    """The raw tee's exchanges from its messages taken in stream order, starting anywhere (a feed resuming from its
+    checkpoint): a delta whose base came before the first message taken is rebuilt by reading its session's subject
+    again from the chain's root (`read_raw_bases`)."""
+
+    def __init__(self, reader: StreamReader) -> None:
+        self.assembler = RawAssembler()
+        self._reader = reader
+
+    async def take(self, subject: str, stream_seq: int, headers: dict[str, str], data: bytes) -> list[RawExchange]:
+        """The exchanges one message (at `stream_seq` on `subject`) completes."""
+        exchanges = self.assembler.take(headers, data)
+        if self.assembler.wanted() is not None:
+            exchanges += await read_raw_bases(self._reader, self.assembler, subject, until_seq=stream_seq)
+        return exchanges

@@ -20,7 +20,9 @@ the body (a history edit that keeps little of the previous request): the request
 rebuild one hold at most about twice its size, and it rebuilds at most `MAX_DEPTH` bodies, while the stored bytes
 of a growing session are about what it adds plus one whole request in every `MAX_DEPTH`. The bases are kept in
 memory, at most `MAX_BASE_BYTES` of them (the least recently teed session's goes first, and its next request is
-stored whole).
+stored whole). A session erased (`sessionlog purge`) and made again under the same id while a gateway still holds
+its base has its next request stored as a delta of an erased entry; a reader then finds no base and reads that
+request without bytes, as a request entry the tee could not publish.
 
 Publishing runs in the background after the response completes, so the client never waits for the audit. Each
 message goes through the connection's publish window, as the writers' records do (`RecordStore.publish_raw`,

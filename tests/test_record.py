@@ -546,6 +546,7 @@ async def test_a_provider_error_ends_the_turn_as_an_error_and_a_retry_continues(
     end = [e for e in session if e.type == "turn/end"][-1]
     reason = msgspec.json.decode(end.raw)["data"]["reason"]
     assert reason["kind"] == "error" and reason["error"]["status"] == 500
+    assert reason["error"]["code"] == "UPSTREAM_ERROR"
     retried = await complete(http, gateway, sid, body)
     assert retried.status_code == 200, retried.text
     session = await load(log, sid)
@@ -1298,3 +1299,20 @@ async def test_an_answer_too_large_for_an_event_ends_its_turn_as_an_error_and_th
     messages.append({"role": "user", "content": "Shorter, please."})  # a client that cannot log the answer drops it
     again = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
     assert again.status_code == 200, again.text
+
+
+async def test_a_provider_that_drops_mid_stream_ends_the_turn_with_the_failures_own_code_and_no_http_status(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    """The provider had answered 200 and then broke the connection: the turn's error is what the gateway found
+    (`UPSTREAM_UNREACHABLE`, as its message says), not a provider error with an HTTP status of 200."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "one two three four five six", "disconnect_after": 3}])
+    body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    reply = await complete(http, gateway, sid, body)
+    assert reply.status_code == 200
+    session = await load(log, sid)
+    end = [e for e in session if e.type == "turn/end"][-1]
+    error = msgspec.json.decode(end.raw)["data"]["reason"]["error"]
+    assert error["code"] in ("UPSTREAM_UNREACHABLE", "UPSTREAM_TIMEOUT") and error["code"] in error["message"], error
+    assert "status" not in error

@@ -51,9 +51,12 @@ class Observer(Protocol):
     async def relayed(self, data: bytes) -> None:
         """Bytes of a streamed answer, once the client has been sent them."""
 
-    async def ended(self, outcome: str, status: int, *, body: bytes | None = None, message: str = "") -> None:
+    async def ended(
+        self, outcome: str, status: int, *, body: bytes | None = None, message: str = "", code: str | None = None
+    ) -> None:
         """The exchange is over (called once): `forwarded` (with the whole body when not streamed),
-        `client_disconnected` or `upstream_error`."""
+        `client_disconnected` or `upstream_error` (`code`: the gateway's own finding, when the provider was not
+        reached or broke off, rather than answering an error status)."""
 
 
 class ClientGone(Exception):
@@ -155,7 +158,7 @@ class Forwarder:
             self.metrics.upstream_errors.labels(err.code).inc()
             self._finish(call, "upstream_error", [request_entry], upstream_s=time.perf_counter() - sent, code=err.code)
             if observer is not None:
-                await observer.ended("upstream_error", http_status(err), message=str(err))
+                await observer.ended("upstream_error", http_status(err), message=str(err), code=err.code)
             return JSONResponse(error_body(err, request_id=call.request_id), status_code=http_status(err))
         except BaseException:
             if observer is not None:
@@ -191,7 +194,7 @@ class Forwarder:
                 call, "upstream_error", [request_entry], upstream_s=time.perf_counter() - sent, code=failure.code
             )
             if observer is not None:
-                await observer.ended("upstream_error", http_status(failure), message=str(failure))
+                await observer.ended("upstream_error", http_status(failure), message=str(failure), code=failure.code)
             return JSONResponse(error_body(failure, request_id=call.request_id), status_code=http_status(failure))
         await response.aclose()
         if observer is not None:  # logged before the client has the answer: the session is free when it does
@@ -259,7 +262,7 @@ class Forwarder:
             yield sse_error(err, call.request_id)
         finally:
             if observer is not None and not ending:  # its own task: this one may be cancelled
-                detach(_end_observed(observer, chunks[observed:], outcome, message))
+                detach(_end_observed(observer, chunks[observed:], outcome, message, code))
             _close_later(response)
             tee_outcome = {"forwarded": "complete"}.get(outcome, outcome)
             response_entry = ("response", b"".join(chunks), self._response_headers(call, 200, tee_outcome))
@@ -333,12 +336,14 @@ def new_request_id() -> str:
     return "req-" + uuid.uuid4().hex
 
 
-async def _end_observed(observer: Observer, unobserved: list[bytes], outcome: str, message: str) -> None:
+async def _end_observed(
+    observer: Observer, unobserved: list[bytes], outcome: str, message: str, code: str | None
+) -> None:
     """Give the observer what was relayed but not yet given to it, then end its exchange."""
     if outcome == "forwarded":
         for chunk in unobserved:
             await observer.relayed(chunk)
-    await observer.ended(outcome, 200, message=message)
+    await observer.ended(outcome, 200, message=message, code=code)
 
 
 def _close_later(response: UpstreamResponse) -> None:

@@ -129,7 +129,9 @@ class Exchange:
             logging_, self._logging = self._logging, None
             await logging_
 
-    async def ended(self, outcome: str, status: int, *, body: bytes | None = None, message: str = "") -> None:
+    async def ended(
+        self, outcome: str, status: int, *, body: bytes | None = None, message: str = "", code: str | None = None
+    ) -> None:
         """The exchange is over: log how it ended, and free the session."""
         if self.ended_once:
             return
@@ -138,7 +140,7 @@ class Exchange:
         broken = False
         try:
             await self._logged_relayed()
-            await self._log_end(outcome, status, body, message)
+            await self._log_end(outcome, status, body, message, code)
             await self.writer.flush()  # the answer is durable before the session takes the next request
         except SessionLogError as err:
             log.warning("record mode: logging the end of a response in %s failed: %s", self.session_id, err)
@@ -146,7 +148,7 @@ class Exchange:
         finally:
             self._free(broken)
 
-    async def _log_end(self, outcome: str, status: int, body: bytes | None, message: str) -> None:
+    async def _log_end(self, outcome: str, status: int, body: bytes | None, message: str, code: str | None) -> None:
         if outcome == "forwarded" and status == 200:
             try:
                 await self._log_answer(body)
@@ -158,6 +160,9 @@ class Exchange:
             return
         if outcome == "client_disconnected":
             await self._close("aborted")
+            return
+        if code is not None:  # the provider was not reached, or broke off: no status of its own to give
+            await self._close("error", {"message": message, "code": code})
             return
         await self._close("error", {"message": message or f"the provider answered HTTP {status}",
                                     "code": "UPSTREAM_ERROR", "status": status})  # fmt: skip

@@ -155,7 +155,10 @@ def logged_message(wire: Mapping[str, Any], message_id: str, where: str = "$.mes
     text = wire.get("content", "")
     extra = sorted(set(wire) - {"role", "content", "tool_calls", "reasoning_content", "tool_call_id"})
     if extra:
-        raise UnsupportedContent(f"{where}: field(s) {', '.join(extra)} of a {role} message have no logged form")
+        article = "an" if role[:1] in ("a", "e", "i", "o", "u") else "a"
+        raise UnsupportedContent(
+            f"{where}: field(s) {', '.join(extra)} of {article} {role} message have no logged form"
+        )
     blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
     if role == "user":
         return {"id": message_id, "role": "user", "source": {"kind": "user"}, "content": blocks}

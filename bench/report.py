@@ -119,6 +119,9 @@ def goals(r: dict[str, Any]) -> list[dict[str, Any]]:
         if v is not None:
             detail = (f"p50 {logged:.2f} vs {unlogged:.2f} ms, p99 {get(transit, 'record.p99'):.2f} vs "
                       f"{get(transit, 'without_logging.p99'):.2f} ms")  # fmt: skip
+            later = get(record, "chunk_lag.record_later_share")
+            if later is not None:
+                detail += f"; {later:.0%} of lines later through record mode"
         rows.append(_row("streamed chunk transit p50, record mode vs the gateway without logging (issue 13)",
                          "<= 1x", v, _judge(v, lambda x: x <= 1.0), "bench_gateway", detail))  # fmt: skip
     for where in ("single", "cluster"):

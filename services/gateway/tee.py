@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from sessionlog.lru import LRU
 from sessionlog.record import (
     H_RAW_BASE,
     H_RAW_BASE_PREFIX,
@@ -135,12 +135,10 @@ def next_base(request_id: str, data: bytes, delta: tuple[Base, int] | None, firs
 
 
 class Bases:
-    """The sessions' bases, at most `max_bytes` of bodies (the least recently used go first)."""
+    """The sessions' bases, at most `max_bytes` of bodies (the least recently teed session's goes first)."""
 
     def __init__(self, max_bytes: int = MAX_BASE_BYTES, min_shared: int = MIN_SHARED) -> None:
-        self._bases: OrderedDict[str, Base] = OrderedDict()
-        self._bytes = 0
-        self._max = max_bytes
+        self._bases: LRU[str, Base] = LRU(max_bytes, weigh=lambda base: len(base.body))
         self._min_shared = min_shared
 
     def delta(self, session_id: str, body: bytes) -> tuple[Base, int] | None:
@@ -159,19 +157,7 @@ class Bases:
 
     def stored(self, session_id: str, base: Base) -> None:
         """`base` was acknowledged: the session's next request is a delta of it."""
-        old = self._bases.pop(session_id, None)
-        if old is not None:
-            self._bytes -= len(old.body)
-        self._bases[session_id] = base
-        self._bytes += len(base.body)
-        while self._bytes > self._max and len(self._bases) > 1:
-            _, dropped = self._bases.popitem(last=False)
-            self._bytes -= len(dropped.body)
-
-    def forget(self, session_id: str) -> None:
-        old = self._bases.pop(session_id, None)
-        if old is not None:
-            self._bytes -= len(old.body)
+        self._bases.put(session_id, base)
 
 
 class RawTee:

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from ..events import Usage
+from ..lru import LRU
 from ..openai_wire import ChatUsage, RawResponse, parse_raw_response
 from ..record import (
     H_RAW_BASE,
@@ -52,27 +52,6 @@ class _Delta:
     paired: bool  # a request of the exchanges read (not a base read again)
 
 
-class _Bodies:
-    """Request bodies by request id, at most `max_bytes` of them (the least recently added go first, the last
-    one always kept): the bases of the deltas still to come."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self._bodies: OrderedDict[str, bytes] = OrderedDict()
-        self._bytes = 0
-        self._max = max_bytes
-
-    def get(self, request_id: str) -> bytes | None:
-        return self._bodies.get(request_id)
-
-    def put(self, request_id: str, body: bytes) -> None:
-        old = self._bodies.pop(request_id, None)
-        self._bytes += len(body) - (len(old) if old is not None else 0)
-        self._bodies[request_id] = body
-        while self._bytes > self._max and len(self._bodies) > 1:
-            _, dropped = self._bodies.popitem(last=False)
-            self._bytes -= len(dropped)
-
-
 class RawAssembler:
     """Turns raw-tee messages back into `RawExchange`s: parts joined, deltas rebuilt on their bases, the request
     paired with its response.
@@ -87,7 +66,8 @@ class RawAssembler:
         self._parts: dict[tuple[str, str], list[bytes | None]] = {}
         self._base_parts: dict[tuple[str, str], list[bytes | None]] = {}
         self._requests: dict[str, bytes] = {}
-        self._bodies = _Bodies(max_base_bytes)
+        # Request bodies by request id, at most `max_base_bytes` of them: the bases of the deltas still to come.
+        self._bodies: LRU[str, bytes] = LRU(max_base_bytes, weigh=len)
         self._deltas: dict[str, _Delta] = {}  # request id -> a delta waiting for its base
         self._held: dict[str, tuple[Mapping[str, str], bytes]] = {}  # responses whose request waits for its base
         self._max_open = max_open
@@ -110,7 +90,7 @@ class RawAssembler:
         delta = _delta_of(headers, body, paired=True)
         if delta is None:
             return self._request(request_id, body, paired=True)
-        whole = self._rebuilt(delta) if delta.base else b""
+        whole = self._rebuilt(delta)
         if whole is None:
             self._deltas[request_id] = delta
             if len(self._deltas) > self._max_open:  # bases that never come: their requests end without bytes
@@ -128,7 +108,7 @@ class RawAssembler:
         delta = _delta_of(headers, body, paired=False)
         if delta is None:
             return self._request(request_id, body, paired=False)
-        whole = self._rebuilt(delta) if delta.base else b""
+        whole = self._rebuilt(delta)
         if whole is None:
             if request_id not in self._deltas:
                 self._deltas[request_id] = delta
@@ -152,6 +132,9 @@ class RawAssembler:
     # ---------------------------------------------------------------------------------- inside
 
     def _rebuilt(self, delta: _Delta) -> bytes | None:
+        """The delta's whole body; None while its base is not here; empty when it can never be rebuilt."""
+        if not delta.base:  # unreadable headers: no base named
+            return b""
         base = self._bodies.get(delta.base)
         if base is None or len(base) < delta.prefix:
             return None
@@ -182,7 +165,7 @@ class RawAssembler:
         return out
 
     def _bound(self, entries: dict[str, Any]) -> None:
-        while len(entries) > self._max_open:  # requests whose response never came
+        while len(entries) > self._max_open:  # requests whose response never came, responses whose base never did
             entries.pop(next(iter(entries)))
 
 

@@ -14,7 +14,7 @@ import base64
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -119,22 +119,28 @@ class StreamReader:
             raise nats.errors.NoRespondersError
         raise LogUnavailable(f"direct get on {self._stream} answered {status}: {headers}")
 
+    async def scan(self, subject_filter: str, start_seq: int = 1) -> AsyncGenerator[RawMessage, None]:
+        """Every message matching the filter from stream seq `start_seq` to the end, in order, a batch direct get
+        at a time (the caller may stop early)."""
+        while True:
+            batch, pending = await self.direct_batch(subject_filter, start_seq)
+            for msg in batch:
+                yield msg
+            if not batch or pending == 0:
+                return
+            start_seq = batch[-1].stream_seq + 1
+
     async def latest_values(self, subject_filter: str) -> dict[str, bytes]:
         """The last message of each subject matching the filter (the current entries of a KV bucket, read on its
         stream), by batch direct gets: no consumer to create, and any replica answers, so it reads without quorum.
         A subject whose last message is a delete or purge marker is left out."""
         latest: dict[str, bytes] = {}
-        start = 1
-        while True:
-            batch, pending = await self.direct_batch(subject_filter, start)
-            for msg in batch:
-                if msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
-                    latest.pop(msg.subject, None)
-                else:
-                    latest[msg.subject] = msg.data
-            if not batch or pending == 0:
-                return latest
-            start = batch[-1].stream_seq + 1
+        async for msg in self.scan(subject_filter):
+            if msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
+                latest.pop(msg.subject, None)
+            else:
+                latest[msg.subject] = msg.data
+        return latest
 
     @translates_unavailable("read stream {self._stream} from its leader")
     async def leader_get(self, *, seq: int | None = None, next_by_subj: str | None = None) -> RawMessage | None:
@@ -329,17 +335,12 @@ async def read_raw_exchanges(
     reader = StreamReader(nc, raw_stream, timeout=timeout)
     assembler = RawAssembler()
     out: list[RawExchange] = []
-    start = 1
+    end = 1
     subject = raw_subject(session_id)
-    while True:
-        batch, pending = await reader.direct_batch(subject, start)
-        for message in batch:
-            out += assembler.take(message.headers, message.data)
-        if batch:
-            start = batch[-1].stream_seq + 1
-        if not batch or pending == 0:
-            break
-    out += await read_raw_bases(reader, assembler, subject, until_seq=start)
+    async for message in reader.scan(subject):
+        out += assembler.take(message.headers, message.data)
+        end = message.stream_seq + 1
+    out += await read_raw_bases(reader, assembler, subject, until_seq=end)
     return out
 
 
@@ -351,15 +352,12 @@ async def read_raw_bases(
     gone from the stream). The exchanges this completes."""
     out: list[RawExchange] = []
     start = assembler.wanted()
-    while start is not None and start < until_seq:
-        batch, pending = await reader.direct_batch(subject, start)
-        for message in batch:
-            if message.stream_seq >= until_seq:
-                break
-            out += assembler.take_base(message.headers, message.data)
-        if not batch or pending == 0 or batch[-1].stream_seq + 1 >= until_seq or assembler.wanted() is None:
-            break
-        start = batch[-1].stream_seq + 1
+    if start is not None and start < until_seq:
+        async with contextlib.aclosing(reader.scan(subject, start)) as messages:
+            async for message in messages:
+                if message.stream_seq >= until_seq or assembler.wanted() is None:
+                    break
+                out += assembler.take_base(message.headers, message.data)
     if assembler.wanted() is not None:
         log.warning("raw tee of %s: a request stored as a delta lacks its base on the stream; read without its bytes",
                     subject)  # fmt: skip

@@ -163,6 +163,34 @@ def test_the_fleet_judges_recovery_on_samples_further_apart_than_a_second() -> N
     assert result["recovered_after_takeover_s"] is None
 
 
+def test_streamed_lines_are_judged_later_only_when_significantly_more_of_them_are() -> None:
+    """Issue 13's "no later than without logging", line by line: a one-sided sign test on the lines that reached
+    the client later and earlier through record mode. Exact values, then the row the report judges on them."""
+    from bench.report import goals, sign_test
+
+    assert sign_test(1, 0) == 0.5
+    assert sign_test(0, 3) == 1.0
+    assert sign_test(3, 0) == 0.125
+    assert sign_test(2, 1) == 0.5  # P(X >= 2) of 3 fair coins: (3 + 1) / 8
+    assert sign_test(600, 600) > 0.4
+    assert sign_test(660, 600) > 0.01  # 52% later: within chance at this count
+    assert sign_test(700, 560) < 0.01  # 56%: significantly later
+
+    def row(later: int, earlier: int) -> dict[str, Any]:
+        lag = {
+            "record_later_lines": later,
+            "record_earlier_lines": earlier,
+            "transit_ms": {"record": {"p50": 0.4, "p99": 1.0}, "without_logging": {"p50": 0.38, "p99": 1.1}},
+        }
+        doc = {"bench_gateway": {"record": {"100": {}, "chunk_lag": lag}}}
+        return next(r for r in goals(doc) if r["goal"].startswith("streamed lines later"))
+
+    assert row(660, 600)["met"] is True
+    assert row(660, 600)["figure"] == round(660 / 1260, 3)
+    assert row(700, 560)["met"] is False
+    assert row(0, 0)["met"] is None  # no untied line: not judged
+
+
 def test_the_synthetic_sessions_are_ones_a_faithful_agent_would_log() -> None:
     """The benchmarks' sessions stand for a real agent's: every message is what its chunks assemble to, with its
     usage, so the token-auditor of a benchmark audits, as in production, without a finding per step (it used to

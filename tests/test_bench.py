@@ -163,32 +163,36 @@ def test_the_fleet_judges_recovery_on_samples_further_apart_than_a_second() -> N
     assert result["recovered_after_takeover_s"] is None
 
 
-def test_streamed_lines_are_judged_later_only_when_significantly_more_of_them_are() -> None:
-    """Issue 13's "no later than without logging", line by line: a one-sided sign test on the lines that reached
-    the client later and earlier through record mode. Exact values, then the row the report judges on them."""
+def test_streamed_lines_are_judged_later_only_when_significantly_more_rounds_are() -> None:
+    """Issue 13's "no later than without logging": a one-sided sign test on the rounds whose lines reached the
+    client later and earlier through record mode (a round's lines share the machine's state, so the round is the
+    unit). Exact values, then the row the report judges on them."""
     from bench.report import goals, sign_test
 
     assert sign_test(1, 0) == 0.5
     assert sign_test(0, 3) == 1.0
     assert sign_test(3, 0) == 0.125
     assert sign_test(2, 1) == 0.5  # P(X >= 2) of 3 fair coins: (3 + 1) / 8
-    assert sign_test(600, 600) > 0.4
-    assert sign_test(660, 600) > 0.01  # 52% later: within chance at this count
-    assert sign_test(700, 560) < 0.01  # 56%: significantly later
+    assert sign_test(15, 15) > 0.5
+    assert 0.01 < sign_test(20, 10) < 0.05  # two in three rounds later, at 30 rounds: later
+    assert sign_test(18, 12) > 0.05  # three in five: within chance
 
     def row(later: int, earlier: int) -> dict[str, Any]:
         lag = {
-            "record_later_lines": later,
-            "record_earlier_lines": earlier,
+            "rounds_later": later,
+            "rounds_earlier": earlier,
+            "record_minus_without_logging_ms": {"p50": 0.004},
+            "record_later_share": 0.55,
             "transit_ms": {"record": {"p50": 0.4, "p99": 1.0}, "without_logging": {"p50": 0.38, "p99": 1.1}},
         }
         doc = {"bench_gateway": {"record": {"100": {}, "chunk_lag": lag}}}
-        return next(r for r in goals(doc) if r["goal"].startswith("streamed lines later"))
+        return next(r for r in goals(doc) if r["goal"].startswith("streamed lines through record mode"))
 
-    assert row(660, 600)["met"] is True
-    assert row(660, 600)["figure"] == round(660 / 1260, 3)
-    assert row(700, 560)["met"] is False
-    assert row(0, 0)["met"] is None  # no untied line: not judged
+    assert row(18, 12)["met"] is True
+    assert row(18, 12)["figure"] == round(18 / 30, 3)
+    assert "+4.0 µs" in row(18, 12)["note"]
+    assert row(20, 10)["met"] is False
+    assert row(0, 0)["met"] is None  # no round with a difference: not judged
 
 
 def test_the_synthetic_sessions_are_ones_a_faithful_agent_would_log() -> None:

@@ -935,7 +935,7 @@ async def test_a_client_that_hangs_up_right_after_the_last_line_gets_a_completed
         ({"role": "developer", "content": "be terse"}, 422, "UNSUPPORTED_CONTENT"),
         ({"content": "no role"}, 422, "UNSUPPORTED_CONTENT"),
     ],
-    ids=["image-part", "tool-result-without-call", "developer-role", "no-role"],
+    ids=["image-part", "tool-result-without-call", "developer-message-after-the-first", "no-role"],
 )  # fmt: skip
 async def test_what_cannot_be_logged_is_refused_and_leaves_the_log_and_the_provider_untouched(
     http: httpx.AsyncClient,
@@ -1269,6 +1269,54 @@ async def test_an_empty_system_message_is_no_system_message_and_logs_one_header(
         messages += [reply.json()["choices"][0]["message"], {"role": "user", "content": f"more {n}"}]
     headers = [e for e in await load(log, sid) if e.type == "request/header"]
     assert len(headers) == 1, [msgspec.json.decode(h.raw)["data"] for h in headers]
+
+
+async def test_a_first_developer_message_is_the_system_prompt_sent_as_developer(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    """OpenAI's reasoning models take the system prompt as a `developer` message, and SDKs and frameworks send it
+    so: logged as the header's `system` with `config.systemRole` "developer", forwarded as the client wrote it; the
+    client's echo extends the log (one header), a switch to `system` is a header change, and every request is the
+    derivation of its prefix (the theorem)."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "one"}, {"text": "two"}, {"text": "three"}])
+    developer = {"role": "developer", "content": "Answer in one word."}
+    messages: list[dict[str, Any]] = [developer, {"role": "user", "content": "hi"}]
+    for n in range(2):
+        reply = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+        assert reply.status_code == 200, reply.text
+        messages += [reply.json()["choices"][0]["message"], {"role": "user", "content": f"more {n}"}]
+    session = await load(log, sid)
+    headers = [msgspec.json.decode(e.raw)["data"]["header"] for e in session if e.type == "request/header"]
+    assert len(headers) == 1 and not [e for e in session if e.type == "user/message" and e.surface_op != "append"]
+    assert headers[0]["system"] == "Answer in one word." and headers[0]["config"]["systemRole"] == "developer"
+    assert [without_transport(b)["messages"][0] for b in provider.received] == [developer, developer]
+    assert "system_role" not in without_transport(provider.received[0])
+    messages[0] = {"role": "system", "content": "Answer in one word."}
+    reply = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert reply.status_code == 200, reply.text
+    session = await load(log, sid)
+    headers = [msgspec.json.decode(e.raw)["data"] for e in session if e.type == "request/header"]
+    assert [h["reason"] for h in headers] == ["initial", "change"]
+    assert "systemRole" not in headers[1]["header"]["config"]
+    assert without_transport(provider.received[-1])["messages"][0] == messages[0]
+    received = [canonical(without_transport(b)) for b in provider.received]
+    assert [canonical(r) for r in theorem_requests(session)] == received
+
+
+async def test_a_request_field_named_like_the_system_roles_key_is_refused(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    """`system_role` would be logged as `config.systemRole`, which says how the system prompt is sent: refused
+    before anything is logged, not taken for a role."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "never"}])
+    body = {"model": "scripted-model", "system_role": "developer",
+            "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]}  # fmt: skip
+    refused = await complete(http, gateway, sid, body)
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "UNSUPPORTED_CONTENT", refused.text
+    assert "$.system_role" in refused.json()["error"]["message"]
+    assert await log.header(sid) is None and await log.reader.events(sid) == [] and provider.received == []
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from sessionlog.errors import UnsupportedContent
+from sessionlog.errors import DerivationDiverges, UnsupportedContent
 from sessionlog.events import decode_event, encode_new_event
 from sessionlog.openai_wire import ChatCompletionChunk, ChunkChoice, Delta, chunk_decoder, parse_raw_response
 from sessionlog.session import Session
-from sessionlog.wire import header_fields, to_wire
+from sessionlog.wire import WireCache, check_request, header_fields, to_wire
 from sessionlog.wireforms import (
     ResponseAssembler,
     SseLines,
@@ -107,6 +107,48 @@ def test_a_logged_message_gives_the_client_message_back_through_to_wire() -> Non
                       "response_format": {"type": "json_object"},
                       "tools": [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"},
                                                                   "strict": True}}]}  # fmt: skip
+
+
+def _header_session(header: dict[str, Any]) -> Session:
+    log = Session()
+    for kind, data in (("turn/start", {"turn": 1}), ("step/start", {"turn": 1, "step": 1}),
+                       ("request/header", {"header": header, "reason": "initial"})):  # fmt: skip
+        log.append(decode_event(encode_new_event(kind, data, seq=len(log), time=0), len(log)))
+    msg = logged_message(normal_message({"role": "user", "content": "hi"}), "u1")
+    log.append(decode_event(encode_new_event("user/message", msg, seq=3, time=0, surface_op="append"), 3))
+    return log
+
+
+def test_a_developer_system_prompt_is_logged_with_its_role_and_sent_with_it() -> None:
+    """`config.systemRole` "developer" sends the header's system prompt as a `developer` message, in `to_wire` and
+    in the check's cached bytes alike; it is not a request field; check mode accepts that request and refuses the
+    same prompt sent as `system` (the log says developer)."""
+    header = request_header({"model": "m"}, provider="p", system="be terse", system_role="developer")
+    assert header == {"config": {"provider": "p", "model": "m", "systemRole": "developer"}, "system": "be terse"}
+    assert request_header({"model": "m"}, provider="p", system="s", system_role="system")["config"] == {
+        "provider": "p", "model": "m"}  # fmt: skip
+    log = _header_session(header)
+    folded = log.fold_request_header()
+    assert folded is not None
+    wire = to_wire(log.derive_messages(), folded)
+    assert wire == {"model": "m", "messages": [{"role": "developer", "content": "be terse"},
+                                               {"role": "user", "content": "hi"}]}  # fmt: skip
+    assert header_fields(folded) == ("be terse", {"model": "m"})
+    check_request(canonical(wire), log.derive_messages(), folded, cache=WireCache())
+    as_system = {**wire, "messages": [{"role": "system", "content": "be terse"}, wire["messages"][1]]}
+    with pytest.raises(DerivationDiverges, match=r"\$\.messages\[0\]\.role"):
+        check_request(canonical(as_system), log.derive_messages(), folded, cache=WireCache())
+
+
+def test_a_system_role_the_wire_cannot_carry_and_a_field_that_would_take_its_key_are_refused() -> None:
+    header = {"config": {"provider": "p", "model": "m", "systemRole": "assistant"}, "system": "x"}
+    log = _header_session(header)
+    folded = log.fold_request_header()
+    assert folded is not None
+    with pytest.raises(UnsupportedContent, match="systemRole"):
+        to_wire(log.derive_messages(), folded)
+    with pytest.raises(UnsupportedContent, match=r"\$\.system_role"):
+        request_header({"model": "m", "system_role": "developer"}, provider="p", system=None)
 
 
 def test_a_field_whose_name_the_wire_conversion_cannot_give_back_is_refused() -> None:

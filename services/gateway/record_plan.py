@@ -22,6 +22,7 @@ from sessionlog.session import DerivedMessage, Session
 from sessionlog.surface import ReplaceOp
 from sessionlog.wire import PHRASE, WireCache
 from sessionlog.wireforms import (
+    SYSTEM_ROLES,
     canonical,
     content_text,
     logged_message,
@@ -127,7 +128,8 @@ class Planner:
                 f"$.n: {fields['n']!r} choices cannot be logged: a step logs one answer (the provider would answer "
                 "each, and the log keep the first only); ask one at a time"
             )
-        header = request_header(fields, provider=self.provider, system=system)
+        role = client.system.get("role", "system") if client.system is not None else "system"
+        header = request_header(fields, provider=self.provider, system=system, system_role=role)
         folded = session.fold_request_header()
         if folded is not None and (known.header is None or known.header[0] != folded.raw):
             known.header = (folded.raw, canonical(folded.to_builtins()))
@@ -174,7 +176,7 @@ class Planner:
         except msgspec.DecodeError as exc:
             raise InvalidRequest(f"$.messages must be an array of messages: {exc}") from None
         system = None
-        if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+        if messages and isinstance(messages[0], dict) and messages[0].get("role") in SYSTEM_ROLES:
             system = normal_message(messages[0], "$.messages[0]")
             messages = messages[1:]
         offset = 1 if system is not None else 0

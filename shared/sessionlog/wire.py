@@ -6,7 +6,9 @@ share; a client that builds its request with `to_wire` passes the gateway's chec
 
 Messages, in order:
 
-- `header.system` (when not empty) becomes the first message `{"role": "system", "content": system}`.
+- `header.system` (when not empty) becomes the first message `{"role": "system", "content": system}`, or
+  `{"role": "developer", ...}` when `config.systemRole` is `"developer"` (record mode logs a client's first
+  developer message so; the key is not a request field, and any other value is `UNSUPPORTED_CONTENT`).
 - An assistant message becomes `{"role": "assistant", "content": text}`: its text blocks concatenated with no
   separator, the empty string (never null: DeepSeek rejects null) when there are none; its `tool-call` blocks
   become `tool_calls: [{"id", "type": "function", "function": {"name", "arguments"}}]` and its reasoning blocks,
@@ -22,7 +24,8 @@ Messages, in order:
 
 The rest of the request comes from the folded header:
 
-- `model` is `config.model`; `config.provider` chooses the gateway's route and is not sent.
+- `model` is `config.model`; `config.provider` chooses the gateway's route and is not sent, nor is
+  `config.systemRole`.
 - Every other config key is sent under its snake_case name: `temperature`, `max_tokens` (`maxTokens`), `top_p`
   (`topP`), `stop`, `reasoning_effort` (`reasoningEffort`), and any other sampling field the header holds. A null
   value counts as absent (a JavaScript `undefined` that reached the log). `adapterDefaults` only says which values
@@ -60,8 +63,8 @@ import msgspec
 from .errors import DerivationDiverges, HeaderDiverges, InvalidRequest, SessionLogError, UnsupportedContent
 from .events import ImageBlock, ReasoningBlock, TextBlock, ToolCallBlock, ToolResultBlock
 from .session import DerivedMessage, DerivedMessages, FoldedHeader
+from .wireforms import SYSTEM_ROLE_KEY, SYSTEM_ROLES, normal_message, wire_tool
 from .wireforms import canonical as normal_canonical
-from .wireforms import normal_message, wire_tool
 
 TRANSPORT_FIELDS: Final = frozenset({"stream", "stream_options"})
 # The deepest request body the gateway reads. Past Python's recursion limit (about 1,000) every decoder and the
@@ -151,6 +154,14 @@ def wire_messages(message: DerivedMessage) -> list[dict[str, Any]]:
 
 def header_fields(header: FoldedHeader) -> tuple[str | None, dict[str, Any]]:
     """The system prompt (None when absent) and every request field other than `messages` the header gives."""
+    system, fields = header_parts(header)
+    return (system["content"] if system is not None else None), fields
+
+
+def header_parts(header: FoldedHeader) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The system message the header gives (None when it has no system prompt; its role is `config.systemRole`,
+    `system` by default) and every request field other than `messages`. Raises `UNSUPPORTED_CONTENT` for a
+    `systemRole` that is neither `system` nor `developer`."""
     data = header.to_builtins()
     config: dict[str, Any] = data.get("config", {})
     out: dict[str, Any] = {"model": config.get("model")}
@@ -158,21 +169,27 @@ def header_fields(header: FoldedHeader) -> tuple[str | None, dict[str, Any]]:
     if tools:
         out["tools"] = [wire_tool(tool) for tool in tools]
     for key, value in config.items():
-        if key in ("provider", "model") or value is None:
+        if key in ("provider", "model", SYSTEM_ROLE_KEY) or value is None:
             continue
         out[snake_case(key)] = value
+    role = config.get(SYSTEM_ROLE_KEY) or "system"
+    if role not in SYSTEM_ROLES:
+        raise UnsupportedContent(
+            f"request/header: config.{SYSTEM_ROLE_KEY} {role!r} has no wire form (system or developer)",
+            seq=header.seq if header.seq >= 0 else None,
+        )
     system = data.get("system")
-    return (system if isinstance(system, str) and system else None), out
+    return (system_message(system, role) if isinstance(system, str) and system else None), out
 
 
-def system_message(system: str) -> dict[str, Any]:
-    return {"role": "system", "content": system}
+def system_message(system: str, role: str = "system") -> dict[str, Any]:
+    return {"role": role, "content": system}
 
 
 def to_wire(messages: Sequence[DerivedMessage], header: FoldedHeader) -> dict[str, Any]:
     """The OpenAI-compatible request (plain data, no transport fields) for these derived messages and header."""
-    system, fields = header_fields(header)
-    wire: list[dict[str, Any]] = [system_message(system)] if system is not None else []
+    system, fields = header_parts(header)
+    wire: list[dict[str, Any]] = [system] if system is not None else []
     for message in messages:
         wire.extend(wire_messages(message))
     return {"model": fields.pop("model"), "messages": wire, **fields}
@@ -215,8 +232,8 @@ class WireCache:
     def _header_entry(self, header: FoldedHeader) -> tuple[bytes, bytes | None, bytes, dict[str, Any]]:
         entry = self._header
         if entry is None or entry[0] != header.raw:
-            system, fields = header_fields(header)
-            sys_frag = _encoder.encode(system_message(system)) if system is not None else None
+            system, fields = header_parts(header)
+            sys_frag = _encoder.encode(system) if system is not None else None
             entry = (header.raw, sys_frag, _encoder.encode(fields), fields)
             self._header = entry
         return entry
@@ -547,6 +564,7 @@ __all__ = [
     "compare_request",
     "first_difference",
     "header_fields",
+    "header_parts",
     "parse_request",
     "snake_case",
     "system_message",

@@ -49,6 +49,11 @@ from .openai_wire import OPENAI_FINISH, ResponseAssembler, SseLines, usage_of
 _encoder: Final = msgspec.json.Encoder(order="sorted")
 
 TRANSPORT_FIELDS: Final = frozenset({"stream", "stream_options"})
+# The config key of a request/header that says which role the system prompt is sent with: absent (or "system"), a
+# `system` message; "developer", a `developer` message (what OpenAI's reasoning models take instead). It is not a
+# request field, so a request field that would be logged under this name is refused.
+SYSTEM_ROLE_KEY: Final = "systemRole"
+SYSTEM_ROLES: Final = ("system", "developer")
 _SNAKE_FIELD: Final = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
 _TOOL_KEYS: Final = ("name", "description", "parameters", "strict")
 
@@ -181,8 +186,8 @@ def logged_message(wire: Mapping[str, Any], message_id: str, where: str = "$.mes
                 {"type": "tool-call", "id": call["id"], "name": function["name"], "arguments": function["arguments"]}
             )
         return {"id": message_id, "role": "assistant", "source": {"kind": "client"}, "content": content}
-    raise UnsupportedContent(f"{where}: role {role!r} has no logged form (only a first system message, user, "
-                             "assistant and tool messages do)")  # fmt: skip
+    raise UnsupportedContent(f"{where}: role {role!r} has no logged form (only a first system or developer "
+                             "message, user, assistant and tool messages do)")  # fmt: skip
 
 
 def config_key(field: str) -> str | None:
@@ -194,12 +199,15 @@ def config_key(field: str) -> str | None:
     return head + "".join(part[:1].upper() + part[1:] for part in tail)
 
 
-def request_header(request: Mapping[str, Any], *, provider: str, system: str | None) -> dict[str, Any]:
+def request_header(
+    request: Mapping[str, Any], *, provider: str, system: str | None, system_role: str = "system"
+) -> dict[str, Any]:
     """The `request/header` header a request's fields become (messages and transport fields aside).
 
     `model` and `provider` go to `config`; every other field with a value goes to `config` under its camelCase
     name; `tools` become header tools with `name`, `description`, `parameters` and `strict` (the function object's
-    keys); a first system message becomes `system`. Raises `UNSUPPORTED_CONTENT` for what has no logged form.
+    keys); a first system message becomes `system`, and a first `developer` message too, with `config.systemRole`
+    `"developer"`. Raises `UNSUPPORTED_CONTENT` for what has no logged form.
     """
     config: dict[str, Any] = {"provider": provider, "model": request.get("model")}
     if not isinstance(config["model"], str) or not config["model"]:
@@ -209,11 +217,13 @@ def request_header(request: Mapping[str, Any], *, provider: str, system: str | N
         if field in ("model", "messages", "tools") or field in TRANSPORT_FIELDS or value is None:
             continue
         key = config_key(field)
-        if key is None or key in ("provider", "model"):
+        if key is None or key in ("provider", "model", SYSTEM_ROLE_KEY):
             raise UnsupportedContent(f"$.{field}: a request field by this name cannot be logged in request/header")
         config[key] = value
     if system is not None:
         header["system"] = system
+        if system_role != "system":
+            config[SYSTEM_ROLE_KEY] = system_role
     tools = request.get("tools")
     if tools:
         if not isinstance(tools, list):

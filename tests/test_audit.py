@@ -586,3 +586,19 @@ def test_the_token_auditor_remembers_what_it_counted_for_a_bounded_number_of_ses
     assert _counters(model) == after_ten
     read("bounded-0")  # long forgotten: counted again from its start (the documented over count)
     assert _counters(model) != after_ten
+
+
+def test_a_streamed_tool_call_finished_as_stop_is_the_logged_tool_calls_finish() -> None:
+    """Some OpenAI-compatible servers finish a tool call with `stop`; the log's finish is `tool-calls` (a step that
+    called tools), which is what that finish means: no finding (it was `RAW_STREAM_DIFFERS`). Another finish still
+    differs."""
+    from sessionlog.audit.raw import raw_difference
+    from sessionlog.events import ToolCallBlock
+    from sessionlog.openai_wire import RawResponse
+
+    raw = RawResponse(tool_calls=[["c1", "f", "{}"]], finish="stop")
+    logged = [ToolCallBlock(id="c1", name="f", arguments="{}")]
+    assert raw_difference(raw, logged, finish="tool-calls", partial=False) is None
+    cut = RawResponse(tool_calls=[["c1", "f", "{}"]], finish="max-tokens")
+    assert raw_difference(cut, logged, finish="tool-calls", partial=False) is not None
+    assert raw_difference(RawResponse(text="x", finish="stop"), [], finish="tool-calls", partial=False) is not None

@@ -875,6 +875,7 @@ async def test_every_refusal_says_do_not_retry_and_unknown_routes_answer_the_jso
         ("POST", "/v1/embeddings", 404, "NOT_FOUND"),
         ("GET", "/v1/models/x", 404, "NOT_FOUND"),
         ("GET", "/v1/chat/completions", 405, "METHOD_NOT_ALLOWED"),
+        ("POST", "/record/s1/v1/responses", 404, "NOT_FOUND"),
     ]:
         response = await http.request(method, path)
         assert response.status_code == status, (path, response.text)
@@ -882,6 +883,8 @@ async def test_every_refusal_says_do_not_retry_and_unknown_routes_answer_the_jso
         error = response.json()["error"]
         assert error["code"] == code and error["type"] == "invalid_request_error" and path in error["message"]
         assert response.headers["x-should-retry"] == "false"
+        if status == 404:  # it names what the gateway serves, record mode's routes too
+            assert "/record/{session_id}/v1/chat/completions" in error["message"], error["message"]
 
 
 async def test_refusals_answer_the_status_of_the_one_error_table(http: httpx.AsyncClient, agent: Agent) -> None:

@@ -1073,9 +1073,12 @@ async def test_an_idle_session_is_let_go_and_its_lease_released(
         b'{"model":"scripted-model","messages":[{"role":"system","content":"only a system message"}]}',
         b'{"model":["m"],"messages":[{"role":"user","content":"hi"}]}',
         b'{"model":"scripted-model","messages":[{"role":"user","content":"' + b"x" * 700_000 + b'"}]}',
+        b'{"model":"scripted-model","top_1_only":1,"messages":[{"role":"user","content":"hi"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"system","content":"s","name":"boss"},'
+        b'{"role":"user","content":"hi"}]}',
     ],
     ids=["not-json", "unloggable-message", "tool-result-without-call", "no-conversation", "model-a-list",
-         "message-too-large-for-an-event"],
+         "message-too-large-for-an-event", "field-whose-name-would-not-come-back", "name-on-the-system-message"],
 )  # fmt: skip
 async def test_a_refused_first_request_creates_no_session(
     http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, body: bytes
@@ -1269,6 +1272,69 @@ async def test_an_empty_system_message_is_no_system_message_and_logs_one_header(
         messages += [reply.json()["choices"][0]["message"], {"role": "user", "content": f"more {n}"}]
     headers = [e for e in await load(log, sid) if e.type == "request/header"]
     assert len(headers) == 1, [msgspec.json.decode(h.raw)["data"] for h in headers]
+
+
+@pytest.mark.parametrize(
+    ("call_id", "finish", "stream"),
+    [("", None, False), ("call_s", "stop", True), ("call_s", "stop", False)],
+    ids=["empty-call-id", "streamed-calls-finished-as-stop", "whole-calls-finished-as-stop"],
+)  # fmt: skip
+async def test_a_tool_call_with_an_empty_id_or_a_stop_finish_goes_on_and_audits_clean(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    provisioned: Settings,
+    call_id: str,
+    finish: str | None,
+    stream: bool,
+) -> None:
+    """Found by probing with the SDKs (2026-12-05): a provider's call with `id: ""` was logged, then its echo was
+    refused (the turn could never go on); a streamed call finished `stop` (some servers do) was audited as
+    `RAW_STREAM_DIFFERS`. Both now go on, and the audit finds nothing."""
+    sid = new_session_id("rec")
+    call = {"id": call_id, "name": "read_file", "arguments": '{"path": "notes.txt"}'}
+    first_reply: dict[str, Any] = {"tool_calls": [call]}
+    if finish is not None:
+        first_reply["finish_reason"] = finish
+    provider.load([first_reply, {"text": "done"}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "read it"}]
+    body = {"model": "scripted-model", "tools": TOOLS, "stream": stream}
+    first = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert first.status_code == 200, first.text
+    reply = sse_message(first.content) if stream else first.json()["choices"][0]["message"]
+    messages += [reply, {"role": "tool", "tool_call_id": call_id, "content": "hello"}]
+    second = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert second.status_code == 200, second.text
+    session = await load(log, sid)
+    assert session.open_turn is None and types(session)[-1] == "turn/end"
+    report = audit_session(session, await raw_exchanges(log, provisioned, sid, 2), session_id=sid).report()
+    assert report.findings == [] and report.raw_matched == 2
+
+
+async def test_the_sdks_parse_echo_and_a_system_messages_name_are_an_echo_and_a_refusal(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    """The SDKs' `parse()` message carries `parsed` (its content as JSON): appended as it is, it extends the log
+    (it was refused with 422). A `name` on the system message has no place in the header: refused with 422, where
+    it used to reach the provider dropped."""
+    sid = new_session_id("rec")
+    content = '{"city": "Paris"}'
+    provider.load([{"text": content}, {"text": "ok"}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "where?"}]
+    first = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert first.status_code == 200, first.text
+    echo = {**first.json()["choices"][0]["message"], "parsed": {"city": "Paris"}}
+    messages += [echo, {"role": "user", "content": "and?"}]
+    second = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
+    assert second.status_code == 200, second.text
+    assert not [e for e in await load(log, sid) if e.is_replace]  # no history edit
+    before = [e.raw for e in await load(log, sid)]
+    named = [{"role": "system", "content": "s", "name": "boss"}, *messages]
+    refused = await complete(http, gateway, sid, {"model": "scripted-model", "messages": named})
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "UNSUPPORTED_CONTENT", refused.text
+    assert refused.json()["error"]["param"] == "$.messages[0]"
+    assert [e.raw for e in await load(log, sid)] == before and len(provider.received) == 2
 
 
 async def test_a_first_developer_message_is_the_system_prompt_sent_as_developer(

@@ -19,6 +19,7 @@ from sessionlog.wireforms import (
     logged_message,
     normal_message,
     request_header,
+    system_message_text,
 )
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "read", "arguments": "{}"}}
@@ -219,3 +220,70 @@ def test_a_payload_that_is_not_a_chat_completions_chunk_is_named_not_half_read()
     assert raw.error is not None and "not a chat-completions chunk" in raw.error and "content" in raw.error
     assert ResponseAssembler().chunk({"choices": [{"delta": {"content": 5}}]}) == []
     assert parse_raw_response(b'{"choices": "no"}').error is not None
+
+
+# ------------------------------------------------------------------- found by probing with the real SDKs (2026-12-05)
+
+
+def test_a_field_whose_snake_case_name_would_not_come_back_is_refused_before_anything_is_logged() -> None:
+    """`top_1_only` would be logged as `top1Only`, which the wire conversion gives back as `top1_only`: the request
+    was logged, then refused as HEADER_DIVERGES on a field the client never sent."""
+    assert config_key("top_1_only") is None
+    assert config_key("top_logprobs") == "topLogprobs" and config_key("a_b2c") == "aB2c"
+    with pytest.raises(UnsupportedContent, match=r"\$\.top_1_only"):
+        request_header({"model": "m", "top_1_only": 1}, provider="p", system=None)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "system", "content": "s", "name": "boss"},
+        {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "out", "extra": 1}]},
+    ],
+    ids=["key-on-a-system-message", "key-on-a-text-part", "key-on-a-tool-messages-part"],
+)
+def test_a_key_the_log_has_no_place_for_is_refused_not_dropped(message: dict[str, Any]) -> None:
+    """A system message's `name`, a text part's `cache_control`: refused with a path, never dropped (they reached
+    the provider as plain text)."""
+    with pytest.raises(UnsupportedContent, match=r"\$\.messages\[0\]"):
+        normal = normal_message(message, "$.messages[0]")
+        if message["role"] == "system":
+            system_message_text(normal, "$.messages[0]")
+
+
+def test_a_tool_call_with_an_empty_id_and_its_result_are_the_same_call() -> None:
+    """A provider may send `id: ""`; the echo's `tool_call_id: ""` must match it (it was refused as not a string,
+    leaving the turn open for good)."""
+    call = {"id": "", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert normal_message({"role": "assistant", "content": None, "tool_calls": [call]})["tool_calls"] == [call]
+    assert normal_message({"role": "tool", "tool_call_id": "", "content": "x"}) == {
+        "role": "tool", "tool_call_id": "", "content": "x"}  # fmt: skip
+
+
+def test_the_sdks_parsed_echo_of_its_own_content_is_the_message_without_it() -> None:
+    """`chat.completions.parse()` returns the message with `parsed` (its content as JSON) and tool calls with
+    `parsed_arguments`; both carry nothing the message does not, so the echo is the message. A `parsed` that is
+    not the content still makes the message differ."""
+    content = '{"city": "Paris", "n": 2}'
+    echo = {"role": "assistant", "content": content, "parsed": {"city": "Paris", "n": 2}}
+    assert normal_message(echo) == {"role": "assistant", "content": content}
+    other = {"role": "assistant", "content": content, "parsed": {"city": "Rome"}}
+    assert normal_message(other)["parsed"] == {"city": "Rome"}
+
+
+@pytest.mark.parametrize(
+    ("provider_finish", "logged"),
+    [("tool_calls", "tool-calls"), ("stop", "tool-calls"), (None, "tool-calls"), ("length", "max-tokens"),
+     ("content_filter", "content_filter")],
+)  # fmt: skip
+def test_an_answer_with_tool_calls_keeps_a_finish_that_says_it_was_cut_short(
+    provider_finish: str | None, logged: str
+) -> None:
+    """An answer with tool calls finishes `tool-calls` when the provider said so, said `stop` or said nothing; a
+    `length` finish is kept (`max-tokens`: the calls were cut short), so the log and the raw stream agree."""
+    assembler = ResponseAssembler()
+    delta = {"tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}
+    assembler.chunk({"choices": [{"index": 0, "delta": delta}]})
+    assembler.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": provider_finish}]})
+    assert assembler.finish == logged

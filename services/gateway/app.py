@@ -353,8 +353,9 @@ async def _route_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 405:
         err = MethodNotAllowed(f"{where}: method not allowed on this gateway endpoint")
     elif exc.status_code == 404:
-        err = RouteNotFound(f"{where}: no such gateway endpoint (it serves POST /v1/chat/completions and "
-                            "POST /v1/sessions/{id}/completions)")  # fmt: skip
+        served = ("POST /v1/chat/completions, POST /v1/sessions/{session_id}/completions, and record mode's POST "
+                  "/record/{session_id}/v1/chat/completions and GET /record/{session_id}/v1/models")  # fmt: skip
+        err = RouteNotFound(f"{where}: no such gateway endpoint (it serves {served})")
     else:
         err = SessionLogError(f"{where}: {exc.detail}")
     body = error_body(err, request_id=new_request_id())

@@ -24,10 +24,10 @@ from sessionlog.wire import PHRASE, WireCache
 from sessionlog.wireforms import (
     SYSTEM_ROLES,
     canonical,
-    content_text,
     logged_message,
     normal_message,
     request_header,
+    system_message_text,
     without_reasoning,
 )
 
@@ -115,7 +115,7 @@ class Planner:
         while p < len(derived) and p < client.count and self._matches(known.cache, client.tail[p - client.known],
                                                                            derived[p]):  # fmt: skip
             p += 1
-        system = content_text(client.system.get("content"), "$.messages[0]") if client.system is not None else None
+        system = system_message_text(client.system, "$.messages[0]") if client.system is not None else None
         # An empty system message is none, as the derivation writes none (logged as "", it was a header change at
         # every request, and the provider never received it either way).
         if system == "":

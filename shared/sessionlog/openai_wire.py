@@ -304,10 +304,13 @@ class ResponseAssembler:
 
     @property
     def finish(self) -> str:
-        """The finish kind (dsh's names: `stop`, `tool-calls`, `max-tokens`, or the provider's own)."""
-        if self._calls:
+        """The finish kind (dsh's names: `stop`, `tool-calls`, `max-tokens`, or the provider's own): `tool-calls`
+        for an answer with tool calls that the provider finished as such, as `stop` (some servers do) or not at all;
+        a provider's other finish (`length`, `content_filter`) is kept, so the log says the calls were cut short."""
+        reason = self._finish
+        if self._calls and reason in (None, "stop", "tool_calls", "function_call"):
             return "tool-calls"
-        reason = self._finish or "stop"
+        reason = reason or "stop"
         return OPENAI_FINISH.get(reason, reason)
 
     @property

@@ -8,15 +8,19 @@ JSON). The rules, each one a form that carries nothing the canonical form does n
 
 - Content: `null`, an absent `content` and `""` are the same empty text. An array of content parts whose parts are
   all text (`{"type": "text", "text"}`) is its texts concatenated with no separator, as the wire conversion joins a
-  message's text blocks. Any other part (an image, audio, a file) is `UNSUPPORTED_CONTENT` until the blob store
-  carries it: it is refused, never dropped.
+  message's text blocks. Any other part (an image, audio, a file), and a text part with any other key
+  (`cache_control`), is `UNSUPPORTED_CONTENT` until the log has a place for it: it is refused, never dropped.
 - Assistant messages: `tool_calls` absent, `null` or `[]` are the same; in a call, `type` defaults to `"function"`
   and keys other than `id`, `type`, `function.name` and `function.arguments` (a streaming `index`) are dropped.
   Keys whose value is `null` or empty (`refusal`, `audio`, `function_call`, `annotations`, as SDKs echo them) are
   dropped; any other key stays and makes the message differ. A `refusal` string (OpenAI sends it instead of
   content) is text after the content: the answer's text as the log holds it, since a refusal is what the model
   said.
-- Tool messages: `name` is dropped (the call's name is logged with the call).
+- An assistant message's `parsed` (what the SDKs' `parse()` return beside the content it was read from) is
+  dropped when it equals the content read as JSON.
+- Tool messages: `name` is dropped (the call's name is logged with the call); `tool_call_id` may be `""`.
+- The first system (or developer) message: a key besides its role and content (`name`) is refused
+  (`system_message_text`): the header holds the prompt's text only.
 - Numbers: an integer-valued float equals the integer (`1.0` is `1`): JavaScript cannot tell them apart, so a
   Node client echoes `1` where Python sent `1.0`. This applies to every value compared, header fields included.
 - Request fields: one given as `null`, and `tools: []`, is the field not given (the OpenAI SDKs send `null` for a
@@ -54,7 +58,9 @@ TRANSPORT_FIELDS: Final = frozenset({"stream", "stream_options"})
 # request field, so a request field that would be logged under this name is refused.
 SYSTEM_ROLE_KEY: Final = "systemRole"
 SYSTEM_ROLES: Final = ("system", "developer")
-_SNAKE_FIELD: Final = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
+# A request field's name that the wire conversion gives back from its camelCase config key: lower case, and a letter
+# after each underscore (`top_1_only` would be logged as `top1Only` and come back as `top1_only`).
+_SNAKE_FIELD: Final = re.compile(r"^[a-z][a-z0-9]*(_[a-z][a-z0-9]*)*$")
 _TOOL_KEYS: Final = ("name", "description", "parameters", "strict")
 
 
@@ -88,6 +94,12 @@ def content_text(content: Any, where: str) -> str:
         parts: list[str] = []
         for i, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                extra = sorted(k for k, v in part.items() if k not in ("type", "text") and v is not None)
+                if extra:
+                    raise UnsupportedContent(
+                        f"{where}.content[{i}]: a text part's {', '.join(extra)} cannot be logged (only its text "
+                        "can); it is refused rather than dropped"
+                    )
                 parts.append(part["text"])
                 continue
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
@@ -132,14 +144,37 @@ def normal_message(message: Any, where: str = "$.messages[?]") -> dict[str, Any]
         refusal = rest.get("refusal")
         if isinstance(refusal, str):  # what the model said instead of content: logged as its text
             out["content"] += rest.pop("refusal")
+        if "parsed" in rest and _parsed_content(out["content"]) == normal_numbers(rest["parsed"]):
+            del rest["parsed"]  # an SDK's `parse()` echo: the content as JSON, nothing the content does not carry
     elif role == "tool":
         rest.pop("name", None)
-        call_id = rest.pop("tool_call_id", None)
+        rest.pop("tool_call_id", None)
+        call_id = message.get("tool_call_id")  # "" too: a provider may give a call the empty id
         if not isinstance(call_id, str):
             raise UnsupportedContent(f"{where}: a tool message needs a string `tool_call_id`")
         out["tool_call_id"] = call_id
     out.update(rest)  # anything else stays, and makes the message differ from every logged one
     return out
+
+
+def _parsed_content(content: str) -> Any:
+    try:
+        return normal_numbers(msgspec.json.decode(content))
+    except msgspec.DecodeError:
+        return _NOT_JSON
+
+
+_NOT_JSON: Final = object()
+
+
+def system_message_text(normal: Mapping[str, Any], where: str) -> str:
+    """The text of a first system (or developer) message in canonical form; a key besides its role and content
+    (a `name`) has no place in the header and is refused rather than dropped."""
+    extra = sorted(k for k in normal if k not in ("role", "content"))
+    if extra:
+        raise UnsupportedContent(f"{where}: a system message's {', '.join(extra)} cannot be logged (only its text "
+                                 "can); it is refused rather than dropped")  # fmt: skip
+    return str(normal["content"])
 
 
 def without_reasoning(wire: Mapping[str, Any]) -> dict[str, Any]:

@@ -1337,6 +1337,31 @@ async def test_the_sdks_parse_echo_and_a_system_messages_name_are_an_echo_and_a_
     assert [e.raw for e in await load(log, sid)] == before and len(provider.received) == 2
 
 
+async def test_half_a_surrogate_pair_is_a_400_that_names_it_on_a_first_and_a_later_request(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    """A Node client's string cut inside an emoji arrives as a lone `\\ud83d` escape: 400 `INVALID_REQUEST` that
+    says so (it said "Input data was truncated"), on a session's first request and on a later one, whose new
+    messages the gateway decodes alone; nothing is logged."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "one"}, {"text": "never"}])
+    cut = b'{"model":"scripted-model","messages":[{"role":"user","content":"cut \\ud83d"}]}'
+    first = await http.post(base(gateway, sid) + "/chat/completions", content=cut)
+    assert first.status_code == 400 and "surrogate" in first.json()["error"]["message"], first.text
+    assert await log.header(sid) is None
+    ok = await complete(
+        http, gateway, sid, {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert ok.status_code == 200, ok.text
+    before = [e.raw for e in await load(log, sid)]
+    history = [{"role": "user", "content": "hi"}, ok.json()["choices"][0]["message"]]
+    later = msgspec.json.encode({"model": "scripted-model", "messages": history})[:-2]
+    later += b',{"role":"user","content":"cut \\ud83d"}]}'
+    refused = await http.post(base(gateway, sid) + "/chat/completions", content=later)
+    assert refused.status_code == 400 and "surrogate" in refused.json()["error"]["message"], refused.text
+    assert [e.raw for e in await load(log, sid)] == before and len(provider.received) == 1
+
+
 async def test_a_first_developer_message_is_the_system_prompt_sent_as_developer(
     http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
 ) -> None:

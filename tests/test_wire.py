@@ -467,3 +467,22 @@ def test_the_expected_bytes_grow_with_the_view_and_start_afresh_after_a_compacti
     assert not compacted.extends(grown)
     assert cache.expected_messages(compacted, header) == WireCache().expected_messages(compacted, header)
     assert compare_request(to_wire(compacted, header), compacted, header, cache=cache) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "lazy"),
+    [
+        (b'{"model":"m","messages":[{"role":"user","content":"cut \\ud83d"}]}', False),
+        (b'{"model":"m","messages":[{"role":"user","content":"\\ude00 alone"}]}', False),
+        (b'{"model":"m","user":"\\ud83d","messages":[{"role":"user","content":"hi"}]}', True),
+    ],
+    ids=["high-half-in-a-message", "low-half-in-a-message", "high-half-in-a-field-lazily"],
+)
+def test_half_a_surrogate_pair_is_named_as_such_not_as_truncated_input(body: bytes, lazy: bool) -> None:
+    """JavaScript's JSON.stringify writes a string cut inside an emoji as a lone `\\ud83d` escape, which is not a
+    character; the refusal said "Input data was truncated" (found probing with the Node SDK, 2026-12-05)."""
+    with pytest.raises(InvalidRequest, match="surrogate") as caught:
+        parse_request(body, lazy=lazy)
+    assert "truncated" not in str(caught.value)
+    pair = b'{"model":"m","messages":[{"role":"user","content":"\\ud83d\\ude00"}]}'
+    assert parse_request(pair)["messages"][0]["content"] == "\U0001f600"

@@ -20,7 +20,7 @@ from sessionlog.errors import DerivationDiverges, EventTooLarge, InvalidRequest,
 from sessionlog.events import ToolCallBlock, ToolResultBlock
 from sessionlog.session import DerivedMessage, Session
 from sessionlog.surface import ReplaceOp
-from sessionlog.wire import PHRASE, WireCache
+from sessionlog.wire import PHRASE, WireCache, not_json
 from sessionlog.wireforms import (
     SYSTEM_ROLES,
     canonical,
@@ -32,6 +32,16 @@ from sessionlog.wireforms import (
 )
 
 _msg_decoder: Final = msgspec.json.Decoder(list[Any])
+
+
+def _decode_messages(raw: bytes) -> list[Any]:
+    try:
+        return _msg_decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"$.messages must be an array of messages: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise not_json("$.messages", raw, exc) from None
+
 
 Replace = tuple[int, int, list[int]]  # a view replacement: its start and end seqs, and the seqs it shadows
 
@@ -168,13 +178,10 @@ class Planner:
             if raw.startswith(memoryview(before)[:close]):
                 rest = raw[close:].lstrip()
                 if rest.startswith(b","):
-                    tail = _msg_decoder.decode(b"[" + rest[1:])
+                    tail = _decode_messages(b"[" + rest[1:])
                     return Client(system, count, [loggable(m, f"$.messages[{count + i + (system is not None)}]")
                                                    for i, m in enumerate(tail)], raw)  # fmt: skip
-        try:
-            messages = _msg_decoder.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise InvalidRequest(f"$.messages must be an array of messages: {exc}") from None
+        messages = _decode_messages(raw)
         system = None
         if messages and isinstance(messages[0], dict) and messages[0].get("role") in SYSTEM_ROLES:
             system = normal_message(messages[0], "$.messages[0]")

@@ -409,6 +409,25 @@ def too_deep() -> InvalidRequest:
     return InvalidRequest("the request body nests JSON objects and arrays too deeply")
 
 
+# Half of a UTF-16 surrogate pair as a JSON escape: a high half not followed by a low one, or a low half alone.
+_LONE_SURROGATE: Final = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
+
+
+def not_json(what: str, body: bytes, exc: msgspec.DecodeError) -> InvalidRequest:
+    """The refusal of JSON that does not decode: half a surrogate pair named as such (msgspec may say "Input data
+    was truncated" of it; JavaScript's JSON.stringify writes one for a string cut inside an emoji)."""
+    lone = _LONE_SURROGATE.search(body)
+    if lone is not None:
+        return InvalidRequest(
+            f"{what} is not JSON: the escape {lone.group().decode()} at byte {lone.start()} is half of a UTF-16 "
+            "surrogate pair, which is not a character (a string cut inside an emoji?)"
+        )
+    return InvalidRequest(f"{what} is not JSON: {exc}")
+
+
 def _parse_body(body: bytes, lazy: bool) -> dict[str, Any]:
     if lazy:
         try:
@@ -419,11 +438,11 @@ def _parse_body(body: bytes, lazy: bool) -> dict[str, Any]:
             try:
                 return {k: v if k == "messages" else msgspec.json.decode(v) for k, v in fields.items()}
             except msgspec.DecodeError as exc:  # invalid UTF-8 inside a string, which skipping does not check
-                raise InvalidRequest(f"the request body is not JSON: {exc}") from None
+                raise not_json("the request body", body, exc) from None
     try:
         request = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"the request body is not JSON: {exc}") from None
+        raise not_json("the request body", body, exc) from None
     if not isinstance(request, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(request).__name__}")
     return request
@@ -464,7 +483,7 @@ def compare_request(
                 return _compare_fields(request, header, cache)
             actual_messages = msgspec.json.decode(actual_messages)  # only to name the difference
         except msgspec.DecodeError as exc:
-            raise InvalidRequest(f"the request body is not JSON: {exc}") from None
+            raise not_json("the request body", bytes(actual_messages), exc) from None
     _check_messages_shape(actual_messages)
     if _encoder.encode(actual_messages) != expected_messages and not _equivalent_messages(
         actual_messages, expected_messages
@@ -565,6 +584,7 @@ __all__ = [
     "first_difference",
     "header_fields",
     "header_parts",
+    "not_json",
     "parse_request",
     "snake_case",
     "system_message",

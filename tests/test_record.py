@@ -4,6 +4,7 @@ knows nothing of sessionlog (plain OpenAI-shaped requests made with httpx) under
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import signal
@@ -555,10 +556,12 @@ async def test_a_provider_error_ends_the_turn_as_an_error_and_a_retry_continues(
     assert without_transport(provider.received[1]) == without_transport(provider.received[0])
 
 
-async def test_a_gateway_killed_mid_stream_leaves_an_open_turn_that_the_repairer_closes(
-    provisioned: Settings, provider_server: ServerThread, provider: ScriptedProvider, log: SessionLog, url: str
-) -> None:
-    sid = new_session_id("rec")
+@contextlib.asynccontextmanager
+async def gateway_process(
+    url: str, provider_server: ServerThread
+) -> AsyncIterator[tuple[subprocess.Popen[bytes], str]]:
+    """A gateway in a process of its own (1 s leases), serving once this yields (the process and its URL); killed
+    at the end if it still runs."""
     port = free_port()
     env = {
         **os.environ,
@@ -574,7 +577,7 @@ async def test_a_gateway_killed_mid_stream_leaves_an_open_turn_that_the_repairer
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     try:
         gateway_url = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(timeout=10, headers={"authorization": f"Bearer {KEY_A}"}) as client:
+        async with httpx.AsyncClient(timeout=10) as client:
 
             async def up() -> bool:
                 try:
@@ -583,44 +586,59 @@ async def test_a_gateway_killed_mid_stream_leaves_an_open_turn_that_the_repairer
                     return process.poll() is not None  # ends the wait; the assert below says why
 
             await eventually(up, "the gateway process serving")
-            assert process.poll() is None, process.stderr.read() if process.stderr else ""
-            provider.load([{"text": "one two three four five six seven eight nine ten", "chunk_delay_s": 0.3}])
-            body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "count"}]}
-            url_ = f"{gateway_url}/record/{sid}/v1/chat/completions"
-
-            async def chunks_logged() -> bool:
-                try:
-                    return any(e.type == "assistant/chunk" for e in await load(log, sid))
-                except SessionLogError:
-                    return False
-
-            async with client.stream("POST", url_, json=body) as response:
-                assert response.status_code == 200
-                seen = b""
-                async for data in response.aiter_bytes():
-                    seen += data
-                    if b'"content":"two' in seen:
-                        await eventually(chunks_logged, "the first chunks durable")
-                        # mid-stream, the client still reading: the turn stays open under a lease nobody refreshes
-                        process.send_signal(signal.SIGKILL)
-                        process.wait(timeout=10)
-                        break
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        yield process, gateway_url
     finally:
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
-    session = await load(log, sid)
-    assert session.open_turn is not None and session.open_step is not None
-    length = len(session)
+
+
+async def repaired_by_a_repairer(url: str, log: SessionLog, sid: str, what: str) -> None:
+    """A repairer started for the purpose closes the session's open turn."""
     async with Opened(url, lease_ttl_s=1, repair_grace_s=0.3) as opened:
-        repairer_log = await opened.connect()
-        service = opened.keep_service(RepairerService(repairer_log))
+        service = opened.keep_service(RepairerService(await opened.connect()))
         await service.start()
 
         async def closed() -> bool:
             return (await load(log, sid)).open_turn is None
 
-        await eventually(closed, "the repairer closing the turn")
+        await eventually(closed, what)
+
+
+async def test_a_gateway_killed_mid_stream_leaves_an_open_turn_that_the_repairer_closes(
+    provider_server: ServerThread, provider: ScriptedProvider, log: SessionLog, url: str
+) -> None:
+    sid = new_session_id("rec")
+    async with (
+        gateway_process(url, provider_server) as (process, gateway_url),
+        httpx.AsyncClient(timeout=10, headers={"authorization": f"Bearer {KEY_A}"}) as client,
+    ):
+        provider.load([{"text": "one two three four five six seven eight nine ten", "chunk_delay_s": 0.3}])
+        body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "count"}]}
+        url_ = f"{gateway_url}/record/{sid}/v1/chat/completions"
+
+        async def chunks_logged() -> bool:
+            try:
+                return any(e.type == "assistant/chunk" for e in await load(log, sid))
+            except SessionLogError:
+                return False
+
+        async with client.stream("POST", url_, json=body) as response:
+            assert response.status_code == 200
+            seen = b""
+            async for data in response.aiter_bytes():
+                seen += data
+                if b'"content":"two' in seen:
+                    await eventually(chunks_logged, "the first chunks durable")
+                    # mid-stream, the client still reading: the turn stays open under a lease nobody refreshes
+                    process.send_signal(signal.SIGKILL)
+                    process.wait(timeout=10)
+                    break
+    session = await load(log, sid)
+    assert session.open_turn is not None and session.open_step is not None
+    length = len(session)
+    await repaired_by_a_repairer(url, log, sid, "the repairer closing the turn")
     session = await load(log, sid)
     closers = [e.type for e in list(session)[length:]]
     assert closers == ["step/end", "turn/end"]
@@ -772,7 +790,8 @@ async def test_a_second_replica_takes_an_idle_session_over_and_is_refused_a_busy
     ]
 
 
-async def test_a_tool_loop_interrupted_by_a_gateway_restart_goes_on_with_the_real_result_as_an_edit(
+@pytest.mark.parametrize("letting_go", ["restart", "idle"])
+async def test_a_tool_loop_across_a_gateway_restart_or_an_idle_let_go_goes_on_in_the_same_turn(
     http: httpx.AsyncClient,
     gateway: ServerThread,
     provisioned: Settings,
@@ -780,24 +799,69 @@ async def test_a_tool_loop_interrupted_by_a_gateway_restart_goes_on_with_the_rea
     provider: ScriptedProvider,
     log: SessionLog,
     url: str,
+    letting_go: str,
 ) -> None:
+    """A gateway that lets go of a session while the client runs a tool (it restarts, or the session was idle past
+    `SESSIONLOG_GATEWAY_RECORD_IDLE_S`) parks its lease: a repairer leaves the turn open, and the client's result
+    goes on in it. (It was closed as interrupted, as if a writer had died, and the result logged as an edit; found
+    by probing record mode, 2026-12-05.)"""
     sid = new_session_id("rec")
     provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "It says hello."}])
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Read my notes"}]
     body = {"model": "scripted-model", "tools": TOOLS}
-    settings = record_settings(provisioned, lease_ttl_s=1)
-    with ServerThread(build_app(settings, record_config(settings, provider_server.url))) as restarting:
-        first = await complete(http, restarting, sid, {**body, "messages": messages})
+    settings = record_settings(provisioned, lease_ttl_s=1, gateway_record_idle_s=1.0)
+    with ServerThread(build_app(settings, record_config(settings, provider_server.url))) as letting:
+        first = await complete(http, letting, sid, {**body, "messages": messages})
         assert first.status_code == 200, first.text
-    # that gateway stopped (its sessions let go) while the client ran the tool; the repairer closes the open turn
+        if letting_go == "idle":
+
+            async def parked() -> bool:
+                lease = await log.leases.current(sid)
+                return lease is not None and lease.parked
+
+            await eventually(parked, "the idle session's lease parked")
+    length = len(await load(log, sid))
+    lease = await log.leases.current(sid)
+    assert lease is not None and lease.parked, lease
     async with Opened(url, lease_ttl_s=1, repair_grace_s=0.3) as opened:
         service = opened.keep_service(RepairerService(await opened.connect()))
         await service.start()
+        await asyncio.sleep(2.5)  # past the 1 s lease TTL and the repairer's grace, several rounds
+    assert len(await load(log, sid)) == length, "the parked turn was closed"
+    messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]
+    second = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert second.status_code == 200, second.text
+    session = await load(log, sid)
+    assert types(session) == [
+        "turn/start", "step/start", "request/header", "user/message", "assistant/message", "tool/call",
+        "tool/result", "step/end", "step/start", "assistant/message", "step/end", "turn/end",
+    ]  # fmt: skip
+    assert not any(e.is_replace for e in session) and b"interrupted" not in b"".join(e.raw for e in session)
 
-        async def closed() -> bool:
-            return (await load(log, sid)).open_turn is None
 
-        await eventually(closed, "the repairer closing the tool loop's turn")
+async def test_a_tool_loop_whose_gateway_is_killed_goes_on_with_the_real_result_as_an_edit(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider_server: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    url: str,
+) -> None:
+    """A gateway killed while the client runs a tool parks nothing: its lease expires, the repairer closes the
+    turn (`TOOL_OUTCOME_UNKNOWN`), and the client's real result is logged as an edit that keeps the synthetic one
+    in the transcript."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "It says hello."}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Read my notes"}]
+    body = {"model": "scripted-model", "tools": TOOLS}
+    async with gateway_process(url, provider_server) as (process, gateway_url):
+        async with httpx.AsyncClient(timeout=10, headers={"authorization": f"Bearer {KEY_A}"}) as client:
+            first = await client.post(f"{gateway_url}/record/{sid}/v1/chat/completions",
+                                      json={**body, "messages": messages})  # fmt: skip
+            assert first.status_code == 200, first.text
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=10)
+    await repaired_by_a_repairer(url, log, sid, "the repairer closing the tool loop's turn")
     messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]
     second = await complete(http, gateway, sid, {**body, "messages": messages})
     assert second.status_code == 200, second.text
@@ -1203,6 +1267,49 @@ async def test_a_check_that_fails_after_the_plan_passed_leaves_the_log_unchanged
     assert [e.raw for e in await load(log, sid)] == before and len(provider.received) == 1
     again = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
     assert again.status_code == 200, again.text
+
+
+async def test_a_request_refused_while_the_client_runs_a_tool_parks_the_session_and_its_turn_stays_open(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request refused once its events were queued lets the writer go; if the log's turn was open (the client
+    runs a tool), its lease is parked, so a repairer does not close that turn before the client's corrected
+    request comes."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "", "tool_calls": [READ_CALL]}, {"text": "It says hello."}])
+    body = {"model": "scripted-model", "tools": TOOLS}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Read my notes"}]
+    first = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert first.status_code == 200, first.text
+    before = [e.raw for e in await load(log, sid)]
+    messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]
+
+    def disagreeing(*_: Any, **__: Any) -> Divergence:
+        return Divergence(HeaderDiverges.code, "$.temperature", "a disagreement injected by the test")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(record_module, "compare_request", disagreeing)
+        refused = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert refused.status_code == 409, refused.text
+
+    async def parked() -> bool:
+        lease = await log.leases.current(sid)
+        return lease is not None and lease.parked
+
+    await eventually(parked, "the refused session's lease parked")
+    async with Opened(url, lease_ttl_s=1, repair_grace_s=0.3) as opened:
+        service = opened.keep_service(RepairerService(await opened.connect()))
+        await service.start()
+        await asyncio.sleep(2.0)  # past the 1 s lease TTL and the repairer's grace
+    assert [e.raw for e in await load(log, sid)] == before, "the open turn was closed"
+    again = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert again.status_code == 200, again.text
+    assert not any(e.is_replace for e in await load(log, sid))
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

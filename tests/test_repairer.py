@@ -253,6 +253,38 @@ async def test_the_repairer_leaves_a_live_writer_alone(stack: Stack) -> None:
     assert len(events) == length + 3 and b"interrupted" not in b"".join(events)
 
 
+async def test_a_writer_that_parks_its_lease_with_the_turn_open_is_left_alone_and_taken_over(stack: Stack) -> None:
+    """A writer that lets go on purpose while its turn waits for the client (record mode's gateway, idle or
+    restarting while a tool runs) parks its lease: the repairer does not close the turn (it closed it as if the
+    writer had died, found probing record mode 2026-12-05); the parked lease never expires; the next writer takes it
+    over (a new epoch) and the turn goes on; the repairer's own close still can."""
+    service = await stack.repairer()
+    log = await stack.connect()
+    writer = await stack.create(log)
+    await open_turn(writer, [("c1", True)])
+    length, epoch = writer.next_seq, writer.epoch
+    await writer.close(park=True)
+    parked = await log.leases.current(writer.session_id)
+    assert parked is not None and parked.parked and parked.holder.startswith("parked:")
+    await asyncio.sleep(LEASE_TTL_S + GRACE_S * 4)  # past the lease's TTL and the repairer's grace, several rounds
+    assert len(await log.reader.events(writer.session_id)) == length, "the parked session's turn was closed"
+    assert (await log.leases.current(writer.session_id)) == parked  # it did not expire
+    again = await log.open(writer.session_id, continue_open_turn=True)
+    assert again.epoch > epoch
+    result = _result({"turn": 1, "step": 1, "callId": "c1"})
+    await again.emit("tool/result", result, surface_op="append", source_event_seqs=[length - 1])
+    await again.emit("step/end", {"turn": 1, "step": 1})
+    await again.emit("turn/end", {"turn": 1, "reason": {"kind": "completed"}})
+    await again.close()
+    events = await log.reader.events(writer.session_id)
+    assert b"interrupted" not in b"".join(events) and Session(events).open_turn is None
+    # Parked again with a turn open: an operator's close (the repair command) still closes it.
+    third = await log.open(writer.session_id)
+    await open_turn(third, [("c2", True)])
+    await third.close(park=True)
+    assert codes(list(await service.close(writer.session_id))) == ["TOOL_OUTCOME_UNKNOWN", "step/end", "turn/end"]
+
+
 async def test_a_repairer_started_after_the_writer_died_closes_the_turn(stack: Stack) -> None:
     log = await stack.connect()
     writer = await stack.create(log)

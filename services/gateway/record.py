@@ -90,6 +90,8 @@ class _Held:
     known: Known = field(default_factory=Known)  # what the planner keeps between requests
     dirty: bool = False  # events of a request are queued but not flushed: a failure now must not publish them
     last_used: float = field(default_factory=time.monotonic)
+    # The durable log's turn was open when the request came (its client runs tools): a writer discarded then parks.
+    turn_open: bool = False
 
 
 class Recorder:
@@ -136,8 +138,11 @@ class Recorder:
         held = self._held.pop(session_id, None)
         if held is None or held.writer is None:
             return
+        # A turn still open waits for the client's tool results, which may come in an hour or after this gateway
+        # restarted: the lease is parked, so the repairer does not close the turn as if its writer had died.
+        park = held.writer.failed is None and held.writer.session.open_turn is not None
         try:
-            await held.writer.close()
+            await held.writer.close(park=park)
         except Exception as err:  # the lease then expires on its own; nothing queued is reported written
             log.warning("record mode: closing the writer of %s: %s", session_id, err)
 
@@ -182,6 +187,7 @@ class Recorder:
             body = await request.body()
             parsed = parse_request(body, lazy=True)
             writer = await self._writer(session_id, held, parsed)
+            held.turn_open = writer.session.open_turn is not None  # all durable: nothing is queued between requests
             exchange = await self._log_request(call, held, writer, parsed)
         except (SessionLogError, RecursionError) as caught:
             err = too_deep() if isinstance(caught, RecursionError) else caught
@@ -229,7 +235,8 @@ class Recorder:
             if held.writer is not None:
                 writer = held.writer
                 held.writer = None
-                detach(writer.discard())  # what it queued is not written, and its lease is let go at once
+                # What it queued is not written, and its lease is let go at once (parked if the turn was open).
+                detach(writer.discard(park=held.turn_open))
 
     async def _writer(self, session_id: str, held: _Held, parsed: dict[str, Any]) -> SessionWriter:
         """The session's writer: the one held, or the session opened (or created) under its lease. A session is

@@ -16,6 +16,12 @@ its create does not treat a server marker as a deleted key. The writes here set 
 
 `LeaseKeeper` holds a writer's lease: it refreshes it in the background and tells the writer when it is lost.
 
+A lease may be *parked* instead of released (`Leases.park`): its holder is then `parked:<holder>` and it never
+expires. It says that the last writer let go on purpose, with the session's turn open and waiting for the client
+(record mode's gateway, idle or shutting down while a tool runs): the repairer, which closes the open turns of
+sessions nobody holds, leaves it alone, and any writer acquires a parked lease as if it were free (compare-and-set,
+a new epoch).
+
 Note (2026-12): JetStream's per-message TTL counts whole seconds, at least 1 s ("500ms" is refused as an invalid
 TTL, "1500ms" is cut to 1 s). A lease TTL is therefore rounded up to whole seconds; sub-second leases do not
 exist, and tests use 1 s.
@@ -48,6 +54,7 @@ HDR_MARKER_REASON = "Nats-Marker-Reason"
 HDR_KV_OPERATION = "KV-Operation"
 
 _ACQUIRE_ATTEMPTS = 3
+PARKED_PREFIX = "parked:"  # the holder of a parked lease: see the module doc
 
 
 class _LeaseValue(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -65,6 +72,11 @@ class Lease:
     epoch: int
     revision: int
     ttl_s: float
+
+    @property
+    def parked(self) -> bool:
+        """Let go on purpose with the session's turn open (see the module doc): free to acquire, never expiring."""
+        return self.holder.startswith(PARKED_PREFIX)
 
 
 def ttl_header(ttl_s: float) -> str:
@@ -136,11 +148,11 @@ class Leases:
 
     @translates_unavailable("acquire the lease of {key}")
     async def acquire(self, key: str, holder: str, ttl_s: float) -> Lease:
-        """Take the lease of `key` if it is free (or expired); LeaseHeld when someone holds it."""
+        """Take the lease of `key` if it is free (or expired, or parked); LeaseHeld when someone holds it."""
         ttl = ttl_header(ttl_s)
         for _ in range(_ACQUIRE_ATTEMPTS):
             msg = await self._last(key)
-            if msg is not None and (held := self._lease_of(key, msg)) is not None:
+            if msg is not None and (held := self._lease_of(key, msg)) is not None and not held.parked:
                 raise LeaseHeld(
                     f"lease of {key} held by {held.holder!r} (epoch {held.epoch}); "
                     f"it expires unless refreshed within {held.ttl_s:g}s"
@@ -185,6 +197,18 @@ class Leases:
             if err.err_code in JS_WRONG_LAST_SEQUENCE:
                 raise self._lost(lease, await self.current(lease.key)) from err
             raise
+
+    @translates_unavailable("park the lease of {lease.key}")
+    async def park(self, lease: Lease) -> Lease:
+        """Give the lease up, parked (see the module doc); LeaseLost if it is no longer this one."""
+        value = _LeaseValue(holder=PARKED_PREFIX + lease.holder, ttl_s=lease.ttl_s, epoch=lease.epoch)
+        try:
+            seq = await self._write(lease.key, value, lease.revision, "never")
+        except nats.js.errors.APIError as err:
+            if err.err_code in JS_WRONG_LAST_SEQUENCE:
+                raise self._lost(lease, await self.current(lease.key)) from err
+            raise
+        return Lease(lease.key, value.holder, lease.epoch, seq, lease.ttl_s)
 
     @staticmethod
     def _lost(lease: Lease, now: Lease | None) -> LeaseLost:
@@ -295,13 +319,15 @@ class LeaseKeeper:
         task, self._task = self._task, None
         await cancel_and_wait(task)
 
-    async def release(self) -> None:
+    async def release(self, *, park: bool = False) -> None:
+        """Stop refreshing and give the lease up: released, or parked (see the module doc)."""
         await self.stop()
+        give_up = self._leases.park if park else self._leases.release
         try:
-            await self._leases.release(self.lease)
+            await give_up(self.lease)
         except LeaseLost:
             # A refresh cancelled in flight may have landed after all: the lease is then ours at its newer revision.
             current = await self._still_ours()
             if current is not None:
                 with contextlib.suppress(LeaseLost):
-                    await self._leases.release(current)
+                    await give_up(current)

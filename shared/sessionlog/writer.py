@@ -190,8 +190,9 @@ class SessionWriter:
         self._wake.set()
         return await future
 
-    async def close(self) -> None:
-        """Flush what is queued, stop, and release the lease."""
+    async def close(self, *, park: bool = False) -> None:
+        """Flush what is queued, stop, and release the lease. `park`: park it instead (`leases`), for a session
+        whose open turn waits for its client (the repairer then leaves the turn open)."""
         if self._closed:
             return
         try:
@@ -200,7 +201,7 @@ class SessionWriter:
         finally:
             self._closed = True
             await cancel_and_wait(self._task)
-            await self._lease.release()
+            await self._lease.release(park=park)
 
     async def abandon(self) -> None:
         """Stop without flushing or releasing the lease (a crash, as far as the log can tell)."""
@@ -208,15 +209,16 @@ class SessionWriter:
         await cancel_and_wait(self._task)
         await self._lease.stop()
 
-    async def discard(self) -> None:
-        """Stop without publishing what is queued, and release the lease: for events that must not be written (a
-        request refused once its first events were queued). What was flushed before stays; a batch already sent
-        lands or not, and a writer that takes the session next is fenced by the stream if it lands after its load
-        (every record names the seq it follows). Never raises: a lease that cannot be released expires."""
+    async def discard(self, *, park: bool = False) -> None:
+        """Stop without publishing what is queued, and release the lease (`park`: park it, as `close`): for events
+        that must not be written (a request refused once its first events were queued). What was flushed before
+        stays; a batch already sent lands or not, and a writer that takes the session next is fenced by the stream
+        if it lands after its load (every record names the seq it follows). Never raises: a lease that cannot be
+        released expires."""
         self._closed = True
         await cancel_and_wait(self._task)
         try:
-            await self._lease.release()
+            await self._lease.release(park=park)
         except Exception as err:
             log.warning("writer of %s: releasing the lease after discarding its queue: %s", self.session_id, err)
 

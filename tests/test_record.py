@@ -1140,9 +1140,24 @@ async def test_an_idle_session_is_let_go_and_its_lease_released(
         b'{"model":"scripted-model","top_1_only":1,"messages":[{"role":"user","content":"hi"}]}',
         b'{"model":"scripted-model","messages":[{"role":"system","content":"s","name":"boss"},'
         b'{"role":"user","content":"hi"}]}',
+        # refused only as its events are written (found probing record mode, 2026-12-05: each left an empty session)
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function",'
+        b'"function":{"name":"f","parameters":' + b'{"type":"object","properties":{"x":' * 40 + b"{}" + b"}}" * 40
+        + b"}}]}",
+        b'{"model":"scripted-model","messages":[{"role":"system","content":"' + b"x" * 600_000 + b'"},'
+        b'{"role":"user","content":"hi"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":null,'
+        b'"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}},{"id":"c1",'
+        b'"type":"function","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","tool_call_id":"c1",'
+        b'"content":"x"},{"role":"user","content":"and?"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":null,'
+        b'"tool_calls":[{"id":"c1","type":"function","function":{"name":null,"arguments":"{}"}}]},'
+        b'{"role":"tool","tool_call_id":"c1","content":"x"},{"role":"user","content":"and?"}]}',
     ],
     ids=["not-json", "unloggable-message", "tool-result-without-call", "no-conversation", "model-a-list",
-         "message-too-large-for-an-event", "field-whose-name-would-not-come-back", "name-on-the-system-message"],
+         "message-too-large-for-an-event", "field-whose-name-would-not-come-back", "name-on-the-system-message",
+         "tool-schema-too-deep-for-an-event", "system-prompt-too-large-for-an-event", "duplicate-tool-call-ids",
+         "tool-call-without-a-name"],
 )  # fmt: skip
 async def test_a_refused_first_request_creates_no_session(
     http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, body: bytes

@@ -57,13 +57,13 @@ from sessionlog.errors import (
 )
 from sessionlog.ids import check_session_id
 from sessionlog.log import SessionWriter
-from sessionlog.session import Session
+from sessionlog.session import DerivedMessages, FoldedHeader, Session
 from sessionlog.tasks import detach
 from sessionlog.wire import compare_request, parse_request, too_deep
 
 from .derivation import Derivation
 from .forward import Call, error_body, new_request_id, no_retry
-from .record_events import Exchange, write_plan
+from .record_events import DryRun, Exchange, write_plan
 from .record_plan import Known, Plan, Planner
 from .tenants import DEFAULT_TENANT
 
@@ -240,8 +240,9 @@ class Recorder:
 
     async def _writer(self, session_id: str, held: _Held, parsed: dict[str, Any]) -> SessionWriter:
         """The session's writer: the one held, or the session opened (or created) under its lease. A session is
-        created only for a request whose plan against the empty session passes: a refused first request leaves
-        nothing behind, not even an empty session."""
+        created only for a request whose plan against the empty session passes, written to a `DryRun` (every
+        event's rules and size) and checked: a refused first request leaves nothing behind, not even an empty
+        session."""
         writer = held.writer
         if writer is not None and writer.failed is None:
             return writer
@@ -254,7 +255,10 @@ class Recorder:
             header = await log_.header(session_id)
             try:
                 if header is None:
-                    self.planner.plan(Known(), Session(), parsed)
+                    trial, dry = Known(), DryRun(log_.max_record_bytes)
+                    plan = self.planner.plan(trial, dry.session, parsed)
+                    await write_plan(dry, plan)
+                    _checked(dry.session, trial, plan)
                     held.writer = await log_.create(session_id, tenant=held.tenant)
                 else:
                     if _tenant_of(header) != held.tenant:
@@ -301,19 +305,9 @@ class Recorder:
 
     def _exchange(self, call: Call, held: _Held, writer: SessionWriter, plan: Plan) -> Exchange:
         session = writer.session
-        header = session.fold_request_header()
-        assert header is not None and session.open_step is not None
-        messages = session.derive_messages()
-        cache = held.known.cache
-        expected = cache.expected_messages(messages, header)
+        header, messages, expected, forwarded = _checked(session, held.known, plan)
         fields = plan.fields
-        # The one check every forwarded request passes: the client's fields against the logged header, the
-        # messages (matched by the plan under the wire forms' equivalence) as the derivation gives them.
-        divergence = compare_request({**fields, "messages": msgspec.Raw(expected)}, messages, header, cache=cache)
-        if divergence is not None:
-            raise divergence.error()
-        transport: dict[str, Any] = {k: fields[k] for k in ("stream", "stream_options") if k in fields}
-        forwarded = {**cache.expected_fields(header)[1], **transport}
+        assert session.open_step is not None
         turn, step = session.open_turn or 0, session.open_step.number
         call.derivation = Derivation(
             session_id=call.session_id,
@@ -336,6 +330,24 @@ class Recorder:
 
         return Exchange(session_id, writer, self.gateway.record_provider, finishing, free, forwarded, expected,
                         turn, step)  # fmt: skip
+
+
+def _checked(session: Session, known: Known, plan: Plan) -> tuple[FoldedHeader, DerivedMessages, bytes, dict[str, Any]]:
+    """The one check every forwarded request passes, on the session its plan was written to: the client's fields
+    against the logged header, the messages (matched by the plan under the wire forms' equivalence) as the
+    derivation gives them. The folded header, the derived messages, their canonical bytes and the fields the
+    provider receives; raises the divergence."""
+    header = session.fold_request_header()
+    assert header is not None and session.open_step is not None
+    messages = session.derive_messages()
+    cache = known.cache
+    expected = cache.expected_messages(messages, header)
+    fields = plan.fields
+    divergence = compare_request({**fields, "messages": msgspec.Raw(expected)}, messages, header, cache=cache)
+    if divergence is not None:
+        raise divergence.error()
+    transport: dict[str, Any] = {k: fields[k] for k in ("stream", "stream_options") if k in fields}
+    return header, messages, expected, {**cache.expected_fields(header)[1], **transport}
 
 
 def _tenant_of(header: bytes) -> str:

@@ -10,13 +10,16 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from msgspec import UNSET
 
 from sessionlog.errors import EventTooLarge, SessionLogError
+from sessionlog.events import Event, encode_new_event
 from sessionlog.log import SessionWriter
+from sessionlog.session import Session
+from sessionlog.store import check_event_size
 from sessionlog.wireforms import ResponseAssembler, SseLines
 
 from .record_plan import New, Plan, new_id
@@ -24,7 +27,37 @@ from .record_plan import New, Plan, new_id
 log = logging.getLogger("sessionlog.gateway")
 
 
-async def write_plan(writer: SessionWriter, plan: Plan) -> None:
+class EventSink(Protocol):
+    """What `write_plan` writes to: a session's writer, or a `DryRun`."""
+
+    @property
+    def session(self) -> Session: ...
+
+    async def emit(
+        self, event_type: str, data: Any, *, surface_op: Any = ..., source_event_seqs: Any = ...
+    ) -> Event: ...
+
+
+class DryRun:
+    """The events a request would write, on an in-memory session: validated by the same rules as a writer's
+    (structure, depth, and the size one record carries), written nowhere. A new session's first request is tried
+    on one before the session is created, so that one refused leaves nothing behind."""
+
+    def __init__(self, max_record_bytes: int) -> None:
+        self.session = Session()
+        self._max_record_bytes = max_record_bytes
+
+    async def emit(
+        self, event_type: str, data: Any, *, surface_op: Any = UNSET, source_event_seqs: Any = UNSET
+    ) -> Event:
+        session = self.session
+        raw = encode_new_event(event_type, data, seq=len(session) if session.has_seqs else None, time=0,
+                               surface_op=surface_op, source_event_seqs=source_event_seqs)  # fmt: skip
+        check_event_size(raw, len(session), self._max_record_bytes)
+        return session.append(raw)
+
+
+async def write_plan(writer: EventSink, plan: Plan) -> None:
     """Append a planned request's events to the writer (queued; the caller flushes)."""
     session = writer.session
     step = session.open_step
@@ -63,7 +96,7 @@ async def write_plan(writer: SessionWriter, plan: Plan) -> None:
             await _tool_result(writer, turn, number, item, calls.get(item.call_id))
 
 
-async def _tool_result(writer: SessionWriter, turn: int, step: int, item: New, call_seq: int | None) -> None:
+async def _tool_result(writer: EventSink, turn: int, step: int, item: New, call_seq: int | None) -> None:
     data = {"turn": turn, "step": step, "message": item.message}
     seqs = [call_seq] if call_seq is not None else UNSET
     await writer.emit("tool/result", data, surface_op="append", source_event_seqs=seqs)

@@ -91,6 +91,16 @@ class _Retry(Exception):
     """An answer that says "not yet" (503, a duplicate still being replicated): the publish asks again."""
 
 
+def check_event_size(raw: bytes, seq: int, max_record_bytes: int) -> None:
+    """Refuse (`EVENT_TOO_LARGE`) an event that a record of at most `max_record_bytes` payload cannot carry."""
+    if len(raw) + 2 > max_record_bytes:
+        raise EventTooLarge(
+            f"event is {len(raw)} bytes; a record carries at most {max_record_bytes}: move large content to the blob "
+            "store (SessionLog.put_blob) and reference it by id",
+            seq=seq,
+        )
+
+
 class RecordStore:
     """Records of every session on one connection: published with optimistic concurrency and safe retries,
     cut by the size and batching rules."""
@@ -111,13 +121,7 @@ class RecordStore:
 
     def check_size(self, raw: bytes, seq: int) -> None:
         """Refuse (`EVENT_TOO_LARGE`) an event no record can carry, before anything is queued or sent."""
-        limit = self.max_record_bytes
-        if len(raw) + 2 > limit:
-            raise EventTooLarge(
-                f"event is {len(raw)} bytes; a record carries at most {limit}: move large content to the blob store "
-                "(SessionLog.put_blob) and reference it by id",
-                seq=seq,
-            )
+        check_event_size(raw, seq, self.max_record_bytes)
 
     def cut(self, pending: Sequence[bytes], start: int = 0, *, exactly: int = 0) -> tuple[int, int]:
         """How many of `pending` from `start` on the next record carries, and their bytes (each event's, plus one

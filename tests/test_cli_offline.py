@@ -262,3 +262,25 @@ def test_a_file_whose_event_nests_too_deep_is_one_typed_error(
     code, out, err = run(capsys, "derive", str(path))
     assert code == 1 and out == ""
     assert err.startswith("error EVENT_TOO_DEEP at seq 0:"), err
+
+
+def test_the_text_transcript_shows_control_characters_escaped_never_raw() -> None:
+    """A user message can hold terminal control sequences (a title change, an OSC 52 clipboard write, BEL, a
+    carriage return that hides what came before it); `sessionlog transcript` prints them as `\\x1b`, never raw to
+    the operator's terminal (found probing record mode, 2026-12-05). Newlines and tabs stay."""
+    from sessionlog.events import encode_new_event
+    from sessionlog.transcript import build_transcript, transcript_plain
+
+    hostile = "title \x1b]0;pwned\x07 clip \x1b]52;c;cm0gLXJmIH4=\x07 hidden\rshown \x9b31m del\x7f\nline two\tok"
+    session = Session()
+    for kind, data, surface in (
+        ("turn/start", {"turn": 1}, {}),
+        ("user/message", {"id": "u1", "role": "user", "source": {"kind": "user"},
+                          "content": [{"type": "text", "text": hostile}]}, {"surface_op": "append"}),
+        ("turn/end", {"turn": 1, "reason": {"kind": "completed"}}, {}),
+    ):  # fmt: skip
+        session.append(encode_new_event(kind, data, seq=len(session), time=0, **surface))
+    text = transcript_plain(build_transcript(session))
+    assert not any(ch in text for ch in "\x1b\x07\r\x9b\x7f"), repr(text)
+    assert "\\x1b]0;pwned\\x07" in text and "hidden\\x0dshown" in text and "\\x9b31m" in text
+    assert "\nline two\tok" in text

@@ -271,14 +271,20 @@ def entry_line(entry: Entry) -> str:
     return "\n".join(f"[{entry.seq}] {who}{flags}{sep}{_block_line(b)}" for b in entry.blocks) or f"[{entry.seq}] {who}"
 
 
+# Control characters a terminal acts on (C0 but newline and tab, DEL, C1), shown as `\x1b`: a message may hold
+# escape sequences that retitle the window, write the clipboard (OSC 52) or hide text behind a carriage return.
+_TERMINAL_SAFE: Final = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)}
+
+
 def transcript_plain(transcript: Transcript) -> str:
-    """The transcript as plain text, one line an entry (a message, one line a block): `sessionlog transcript`."""
+    """The transcript as plain text, one line an entry (a message, one line a block): `sessionlog transcript`.
+    Control characters a terminal would act on are shown escaped (`\x1b`); newlines and tabs stay."""
     lines: list[str] = []
     if transcript.fork is not None:
         seed = f" (seed length {transcript.fork.seed_length})" if transcript.fork.seed_length is not None else ""
         lines.append(f"forked from {transcript.fork.parent}{seed}")
     lines.extend(entry_line(e) for e in transcript.entries)
-    return "".join(line + "\n" for line in lines)
+    return "".join(line.translate(_TERMINAL_SAFE) + "\n" for line in lines)
 
 
 _encoder: Final = msgspec.json.Encoder()

@@ -1084,10 +1084,14 @@ DEEP = b"[" * 20_000 + b"]" * 20_000
         b'{"model":"scripted-model","messages":[{"role":7,"content":"hi"}]}',
         b'{"model":"scripted-model","messages":[{"role":"assistant","tool_calls":[{"id":1,"function":"f"}]}]}',
         b"",
+        b'{"model":"scripted-model","stream":"yes","messages":[{"role":"user","content":"hi"},'
+        b'{"role":"assistant","content":"first"},{"role":"user","content":"more"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"},'
+        b'{"role":"assistant","content":"first","reasoning_content":7},{"role":"user","content":"more"}]}',
     ],
     ids=["deep-messages", "deep-in-a-message", "deep-tools", "deep-field", "bad-escape", "bad-utf8",
          "bad-utf8-in-model", "not-json", "not-an-object", "messages-an-object", "model-a-list", "role-a-number",
-         "bad-tool-call", "empty"],
+         "bad-tool-call", "empty", "stream-a-string", "reasoning-a-number"],
 )  # fmt: skip
 async def test_a_bad_body_to_the_record_route_is_a_typed_4xx_and_changes_nothing(
     http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, body: bytes

@@ -486,3 +486,16 @@ def test_half_a_surrogate_pair_is_named_as_such_not_as_truncated_input(body: byt
     assert "truncated" not in str(caught.value)
     pair = b'{"model":"m","messages":[{"role":"user","content":"\\ud83d\\ude00"}]}'
     assert parse_request(pair)["messages"][0]["content"] == "\U0001f600"
+
+
+@pytest.mark.parametrize(
+    "field", ['"stream":"yes"', '"stream":1', '"stream_options":"include_usage"', '"stream_options":[true]']
+)
+def test_a_stream_flag_that_is_not_a_boolean_is_refused(field: str) -> None:
+    """`stream: "yes"` was forwarded as it was and the answer relayed as not streamed (found probing record mode,
+    2026-12-05)."""
+    body = b'{"model":"m",' + field.encode() + b',"messages":[{"role":"user","content":"hi"}]}'
+    for lazy in (False, True):
+        with pytest.raises(InvalidRequest, match=r"\$\.stream"):
+            parse_request(body, lazy=lazy)
+    assert parse_request(b'{"model":"m","stream":null,"stream_options":null,"messages":[]}')["stream"] is None

@@ -287,3 +287,16 @@ def test_an_answer_with_tool_calls_keeps_a_finish_that_says_it_was_cut_short(
     assembler.chunk({"choices": [{"index": 0, "delta": delta}]})
     assembler.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": provider_finish}]})
     assert assembler.finish == logged
+
+
+def test_what_a_second_probe_found_is_refused_clearly_never_dropped() -> None:
+    """Found probing record mode (2026-12-05): a `reasoning_content` that is not a string was dropped silently; a
+    content part without a type was called "a None content part"; a user message's extra field said "an user"."""
+    with pytest.raises(UnsupportedContent, match=r"reasoning_content"):
+        normal_message({"role": "assistant", "content": "x", "reasoning_content": {"text": "hm"}}, "$.messages[1]")
+    with pytest.raises(UnsupportedContent, match="a content part without a type") as caught:
+        normal_message({"role": "user", "content": [{"text": "hi"}]}, "$.messages[0]")
+    assert "None" not in str(caught.value)
+    with pytest.raises(UnsupportedContent, match=r"of a user message") as named:
+        logged_message({"role": "user", "content": "hi", "name": "bob"}, "u1", "$.messages[0]")
+    assert "an user" not in str(named.value)

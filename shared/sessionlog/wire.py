@@ -398,9 +398,22 @@ def parse_request(body: bytes | Mapping[str, Any], *, lazy: bool = False) -> dic
     if isinstance(body, Mapping):
         return dict(body)
     try:
-        return _parse_body(body, lazy)
+        request = _parse_body(body, lazy)
     except RecursionError:
         raise too_deep() from None
+    _check_transport(request)
+    return request
+
+
+def _check_transport(request: Mapping[str, Any]) -> None:
+    """`stream` a boolean and `stream_options` an object (or null): a provider would read `"yes"` as it pleases,
+    and the gateway relays a stream only for `true`."""
+    stream = request.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequest(f"$.stream: expected true or false, got {stream!r}")
+    options = request.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequest(f"$.stream_options: expected an object, got {options!r}")
 
 
 def too_deep() -> InvalidRequest:

@@ -103,9 +103,10 @@ def content_text(content: Any, where: str) -> str:
                 parts.append(part["text"])
                 continue
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            what = f"a {kind!r} content part" if kind is not None else "a content part without a type"
             raise UnsupportedContent(
-                f"{where}.content[{i}]: a {kind!r} content part cannot be logged yet (only text parts are); "
-                "it is refused rather than dropped"
+                f"{where}.content[{i}]: {what} cannot be logged yet (only text parts are); it is refused rather "
+                "than dropped"
             )
         return "".join(parts)
     raise UnsupportedContent(f"{where}.content: expected a string, null or an array of parts, got {content!r}")
@@ -139,7 +140,9 @@ def normal_message(message: Any, where: str = "$.messages[?]") -> dict[str, Any]
                 raise UnsupportedContent(f"{where}.tool_calls: expected an array")
             out["tool_calls"] = [_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls)]
         reasoning = rest.pop("reasoning_content", None)
-        if isinstance(reasoning, str) and reasoning:
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise UnsupportedContent(f"{where}.reasoning_content: expected a string, got {type(reasoning).__name__}")
+        if reasoning:
             out["reasoning_content"] = reasoning
         refusal = rest.get("refusal")
         if isinstance(refusal, str):  # what the model said instead of content: logged as its text
@@ -195,7 +198,7 @@ def logged_message(wire: Mapping[str, Any], message_id: str, where: str = "$.mes
     text = wire.get("content", "")
     extra = sorted(set(wire) - {"role", "content", "tool_calls", "reasoning_content", "tool_call_id"})
     if extra:
-        article = "an" if role[:1] in ("a", "e", "i", "o", "u") else "a"
+        article = "an" if role[:1] in ("a", "e", "i", "o") else "a"  # an assistant, a user, a tool
         raise UnsupportedContent(
             f"{where}: field(s) {', '.join(extra)} of {article} {role} message have no logged form"
         )

@@ -752,6 +752,26 @@ async def test_audit_exits_non_zero_when_there_are_findings(
     assert "MESSAGE_DIFFERS_FROM_CHUNKS" in capfd.readouterr().out
 
 
+async def test_a_session_held_by_a_writer_that_does_not_answer_is_busy_in_words_that_say_so(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    """Held by a writer no gateway replica speaks for (an agent writing the session itself, or a gateway killed
+    whose lease has not expired yet): 409 `SESSION_BUSY` that says the holder does not answer and names its lease,
+    where it said "another gateway replica that is answering it" (found probing record mode, 2026-12-05)."""
+    sid = new_session_id("rec")
+    writer = await log.create(sid, tenant="tenant-a")
+    try:
+        provider.load([{"text": "never"}])
+        body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+        refused = await complete(http, gateway, sid, body)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "SESSION_BUSY", refused.text
+        message = refused.json()["error"]["message"]
+        assert "does not answer" in message and "held by" in message and "answering it" not in message, message
+        assert provider.received == []
+    finally:
+        await writer.close()
+
+
 async def test_a_second_replica_takes_an_idle_session_over_and_is_refused_a_busy_one(
     http: httpx.AsyncClient,
     gateway: ServerThread,

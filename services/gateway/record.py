@@ -269,19 +269,28 @@ class Recorder:
                 return held.writer
             except SessionAlreadyExists:
                 continue  # another replica created it in between: open it
-            except LeaseHeld:
-                if attempt == 2 or not await self._ask_release(session_id):
+            except LeaseHeld as held_by:
+                answer = await self._ask_release(session_id) if attempt < 2 else b"busy"
+                if answer == b"busy":
                     raise SessionBusy(
                         f"session {session_id} is held by another gateway replica that is answering it"
                     ) from None
+                if answer != b"released":
+                    raise SessionBusy(
+                        f"session {session_id} is held by a writer that does not answer the gateway (a gateway "
+                        f"that stopped without letting go, or an agent that writes the session itself): "
+                        f"{held_by.message}"
+                    ) from None
         raise SessionBusy(f"session {session_id} could not be taken")
 
-    async def _ask_release(self, session_id: str) -> bool:
+    async def _ask_release(self, session_id: str) -> bytes | None:
+        """The holding replica's answer (`released` or `busy`), or None when no replica answers: the holder is a
+        gateway that is gone (its lease expires on its own) or not a gateway at all."""
         try:
             reply = await self.gateway.log.nc.request(RELEASE_PREFIX + session_id, b"", timeout=1.0)
         except Exception:
-            return False  # nobody answers: the holder is gone, and its lease expires on its own
-        return bool(reply.data == b"released")
+            return None
+        return bytes(reply.data)
 
     # ---------------------------------------------------------------------------------- the request
 

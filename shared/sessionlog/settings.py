@@ -258,7 +258,8 @@ class Settings(BaseSettings):
         default=300.0,
         gt=0,
         description="Gateway record mode: seconds a session's writer (and its lease) stays held while no request "
-        "comes; another replica asks for it sooner.",
+        "comes; another replica asks for it sooner. A session let go while its client runs a tool is parked: the "
+        "repairer leaves its turn open.",
     )
 
     # --- provider --------------------------------------------------------------------------------------------

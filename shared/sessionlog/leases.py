@@ -174,41 +174,33 @@ class Leases:
         """Extend the lease; LeaseLost when it expired or was taken over since `lease.revision`."""
         ttl_s = lease.ttl_s if ttl_s is None else ttl_s
         value = _LeaseValue(holder=lease.holder, ttl_s=ttl_s, epoch=lease.epoch)
-        try:
-            seq = await self._write(lease.key, value, lease.revision, ttl_header(ttl_s))
-        except nats.js.errors.APIError as err:
-            if err.err_code in JS_WRONG_LAST_SEQUENCE:
-                raise self._lost(lease, await self.current(lease.key)) from err
-            raise
+        seq = await self._write_over(lease, msgspec.json.encode(value), {HDR_TTL: ttl_header(ttl_s)})
         return Lease(lease.key, lease.holder, lease.epoch, seq, ttl_s)
 
     @translates_unavailable("release the lease of {lease.key}")
     async def release(self, lease: Lease) -> None:
         """Give the lease up now (a delete that expires itself); LeaseLost if it is no longer this one."""
-        headers = {
-            HDR_KV_OPERATION: "DEL",
-            HDR_EXPECTED_LAST_SUBJECT_SEQ: str(lease.revision),
-            # The tombstone is not kept forever: the bucket of finished sessions empties itself.
-            HDR_TTL: ttl_header(lease.ttl_s),
-        }
-        try:
-            await self._publish(self.subject(lease.key), b"", headers)
-        except nats.js.errors.APIError as err:
-            if err.err_code in JS_WRONG_LAST_SEQUENCE:
-                raise self._lost(lease, await self.current(lease.key)) from err
-            raise
+        # The tombstone is not kept forever: the bucket of finished sessions empties itself.
+        await self._write_over(lease, b"", {HDR_KV_OPERATION: "DEL", HDR_TTL: ttl_header(lease.ttl_s)})
 
     @translates_unavailable("park the lease of {lease.key}")
     async def park(self, lease: Lease) -> Lease:
         """Give the lease up, parked (see the module doc); LeaseLost if it is no longer this one."""
         value = _LeaseValue(holder=PARKED_PREFIX + lease.holder, ttl_s=lease.ttl_s, epoch=lease.epoch)
+        seq = await self._write_over(lease, msgspec.json.encode(value), {HDR_TTL: "never"})
+        return Lease(lease.key, value.holder, lease.epoch, seq, lease.ttl_s)
+
+    async def _write_over(self, lease: Lease, payload: bytes, headers: dict[str, str]) -> int:
+        """Write over `lease` as last written (compare-and-set on its revision); its stream seq. LeaseLost when
+        another write came first: it expired or was taken over."""
         try:
-            seq = await self._write(lease.key, value, lease.revision, "never")
+            return await self._publish(
+                self.subject(lease.key), payload, {**headers, HDR_EXPECTED_LAST_SUBJECT_SEQ: str(lease.revision)}
+            )
         except nats.js.errors.APIError as err:
             if err.err_code in JS_WRONG_LAST_SEQUENCE:
                 raise self._lost(lease, await self.current(lease.key)) from err
             raise
-        return Lease(lease.key, value.holder, lease.epoch, seq, lease.ttl_s)
 
     @staticmethod
     def _lost(lease: Lease, now: Lease | None) -> LeaseLost:

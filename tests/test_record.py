@@ -594,15 +594,22 @@ async def gateway_process(
             process.wait(timeout=10)
 
 
-async def repaired_by_a_repairer(url: str, log: SessionLog, sid: str, what: str) -> None:
-    """A repairer started for the purpose closes the session's open turn."""
+@contextlib.asynccontextmanager
+async def a_repairer(url: str) -> AsyncIterator[None]:
+    """A repairer (1 s leases, 0.3 s grace) running while the block runs."""
     async with Opened(url, lease_ttl_s=1, repair_grace_s=0.3) as opened:
         service = opened.keep_service(RepairerService(await opened.connect()))
         await service.start()
+        yield
 
-        async def closed() -> bool:
-            return (await load(log, sid)).open_turn is None
 
+async def repaired_by_a_repairer(url: str, log: SessionLog, sid: str, what: str) -> None:
+    """A repairer started for the purpose closes the session's open turn."""
+
+    async def closed() -> bool:
+        return (await load(log, sid)).open_turn is None
+
+    async with a_repairer(url):
         await eventually(closed, what)
 
 
@@ -843,9 +850,7 @@ async def test_a_tool_loop_across_a_gateway_restart_or_an_idle_let_go_goes_on_in
     length = len(await load(log, sid))
     lease = await log.leases.current(sid)
     assert lease is not None and lease.parked, lease
-    async with Opened(url, lease_ttl_s=1, repair_grace_s=0.3) as opened:
-        service = opened.keep_service(RepairerService(await opened.connect()))
-        await service.start()
+    async with a_repairer(url):
         await asyncio.sleep(2.5)  # past the 1 s lease TTL and the repairer's grace, several rounds
     assert len(await load(log, sid)) == length, "the parked turn was closed"
     messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]
@@ -1283,6 +1288,11 @@ async def test_a_message_too_large_for_an_event_is_refused_and_the_session_is_fr
     assert again.status_code == 200, again.text
 
 
+def _disagreeing(*_: Any, **__: Any) -> Divergence:
+    """A check that disagrees with the plan, injected in place of `compare_request`."""
+    return Divergence(HeaderDiverges.code, "$.temperature", "a disagreement injected by the test")
+
+
 async def test_a_check_that_fails_after_the_plan_passed_leaves_the_log_unchanged(
     http: httpx.AsyncClient,
     gateway: ServerThread,
@@ -1296,11 +1306,8 @@ async def test_a_check_that_fails_after_the_plan_passed_leaves_the_log_unchanged
     messages, before = await one_answered_request(http, gateway, provider, log, sid)
     messages.append({"role": "user", "content": "more"})
 
-    def disagreeing(*_: Any, **__: Any) -> Divergence:
-        return Divergence(HeaderDiverges.code, "$.temperature", "a disagreement injected by the test")
-
     with monkeypatch.context() as patched:
-        patched.setattr(record_module, "compare_request", disagreeing)
+        patched.setattr(record_module, "compare_request", _disagreeing)
         refused = await complete(http, gateway, sid, {"model": "scripted-model", "messages": messages})
     assert refused.status_code == 409 and refused.json()["error"]["code"] == HeaderDiverges.code, refused.text
     assert [e.raw for e in await load(log, sid)] == before and len(provider.received) == 1
@@ -1328,11 +1335,8 @@ async def test_a_request_refused_while_the_client_runs_a_tool_parks_the_session_
     before = [e.raw for e in await load(log, sid)]
     messages += [first.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]
 
-    def disagreeing(*_: Any, **__: Any) -> Divergence:
-        return Divergence(HeaderDiverges.code, "$.temperature", "a disagreement injected by the test")
-
     with monkeypatch.context() as patched:
-        patched.setattr(record_module, "compare_request", disagreeing)
+        patched.setattr(record_module, "compare_request", _disagreeing)
         refused = await complete(http, gateway, sid, {**body, "messages": messages})
     assert refused.status_code == 409, refused.text
 
@@ -1341,9 +1345,7 @@ async def test_a_request_refused_while_the_client_runs_a_tool_parks_the_session_
         return lease is not None and lease.parked
 
     await eventually(parked, "the refused session's lease parked")
-    async with Opened(url, lease_ttl_s=1, repair_grace_s=0.3) as opened:
-        service = opened.keep_service(RepairerService(await opened.connect()))
-        await service.start()
+    async with a_repairer(url):
         await asyncio.sleep(2.0)  # past the 1 s lease TTL and the repairer's grace
     assert [e.raw for e in await load(log, sid)] == before, "the open turn was closed"
     again = await complete(http, gateway, sid, {**body, "messages": messages})

@@ -22,9 +22,9 @@ import pytest_asyncio
 from natsfixtures import new_session_id
 from scaffold import Opened, eventually
 
-from services.gateway import GatewayConfig, ScriptedProvider, ServerThread, UpstreamConfig, build_app
+from services.gateway import GatewayConfig, ScriptedProvider, ServerThread, UpstreamConfig, build_app, record_events
 from services.gateway import record as record_module
-from services.gateway.record_events import Exchange
+from services.gateway.record_events import DryRun, Exchange
 from services.repairer.service import RepairerService
 from sessionlog.audit import RawAssembler, audit_session
 from sessionlog.cli import main as cli_main
@@ -990,6 +990,57 @@ async def test_logging_a_chunk_never_holds_the_next_one_back(
     text = "".join(c["text"] for c in chunks if c["type"] == "text-delta")
     assert text == "one two three four five six seven eight nine ten"  # and in order
     assert [e.type for e in session].count("turn/end") == 2
+
+
+async def test_relayed_bytes_are_read_and_logged_only_once_the_event_loop_could_sleep() -> None:
+    """The relay writes a piece of the answer to the client and goes back to waiting for the next one: reading and
+    logging the piece there and then made each line reach the client a few µs later than through the gateway
+    without logging (the client, woken on the gateway's CPU, waited for it). The piece is kept and read on a timer."""
+    sink = DryRun(1 << 20)
+    await sink.emit("turn/start", {"turn": 1})
+    await sink.emit("step/start", {"turn": 1, "step": 1})
+    finished: list[bool] = []
+    exchange = Exchange("s", sink, "scripted", lambda: finished.append(True), lambda broken: None, {}, b"", 1, 1)  # type: ignore[arg-type]
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}  # fmt: skip
+    await exchange.relayed(b"data: " + msgspec.json.encode(chunk) + b"\n\ndata: [DONE]\n\n")
+    assert finished == [] and len(sink.session) == 2, "the relayed bytes were read before the loop could sleep"
+    await asyncio.sleep(record_events.READ_AFTER_S * 20)
+    assert finished == [True]
+    chunks = [msgspec.json.decode(e.raw)["data"]["chunk"] for e in list(sink.session)[2:]]
+    assert chunks == [{"type": "block-start", "index": 0, "blockType": "text"},
+                      {"type": "text-delta", "index": 0, "text": "hi"}]  # fmt: skip
+
+
+async def test_a_request_sent_at_the_last_line_waits_for_the_answer_not_yet_read(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An SDK sends its next request as soon as it reads `data: [DONE]`, which the gateway relays before it reads it:
+    the session is known to be finishing by then (the request reads what was relayed), and the request waits for
+    the answer's logging instead of being refused as busy. The reading is put off long here to show it."""
+    monkeypatch.setattr(record_events, "READ_AFTER_S", 30.0)
+    sid = new_session_id("rec")
+    provider.load([{"text": "first answer", "end_delay_s": 0.5}, {"text": "second"}])
+    body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "one"}]}
+    reply = {"role": "assistant", "content": "first answer"}
+    follow = {"model": "scripted-model", "messages": [*body["messages"], reply, {"role": "user", "content": "two"}]}
+    next_request: asyncio.Task[httpx.Response] | None = None
+    async with http.stream("POST", base(gateway, sid) + "/chat/completions", content=msgspec.json.encode(body)) as r:
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                next_request = asyncio.create_task(complete(http, gateway, sid, follow))  # the stream still open
+    assert next_request is not None
+    response = await next_request
+    assert response.status_code == 200, response.text
+    session = await load(log, sid)
+    assert [e.type for e in session].count("turn/end") == 2
+    answers = [msgspec.json.decode(e.raw)["data"]["message"]["content"]
+               for e in session if e.type == "assistant/message"]  # fmt: skip
+    assert answers == [[{"type": "text", "text": "first answer"}], [{"type": "text", "text": "second"}]]
 
 
 async def test_a_client_that_hangs_up_right_after_the_last_line_gets_a_completed_turn(

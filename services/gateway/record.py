@@ -92,6 +92,7 @@ class _Held:
     last_used: float = field(default_factory=time.monotonic)
     # The durable log's turn was open when the request came (its client runs tools): a writer discarded then parks.
     turn_open: bool = False
+    exchange: Exchange | None = None  # the response being relayed and logged
 
 
 class Recorder:
@@ -209,6 +210,8 @@ class Recorder:
     async def _claim(self, session_id: str, tenant: str) -> _Held:
         """Mark the session busy for this request (synchronously, before any wait), or refuse."""
         held = self._held.get(session_id)
+        if held is not None and held.busy and held.exchange is not None:
+            held.exchange.read_relayed()  # its answer's last line may be relayed and not yet read
         if held is not None and held.busy and held.finishing is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(held.idle.wait(), _FINISH_WAIT_S)
@@ -227,6 +230,7 @@ class Recorder:
     def _free(self, session_id: str, held: _Held, *, broken: bool = False) -> None:
         held.busy = False
         held.finishing = None
+        held.exchange = None
         held.last_used = time.monotonic()
         held.idle.set()
         if broken or held.writer is None:
@@ -337,8 +341,9 @@ class Recorder:
         def free(broken: bool) -> None:
             self._free(session_id, held, broken=broken)
 
-        return Exchange(session_id, writer, self.gateway.record_provider, finishing, free, forwarded, expected,
-                        turn, step)  # fmt: skip
+        held.exchange = Exchange(session_id, writer, self.gateway.record_provider, finishing, free, forwarded,
+                                 expected, turn, step)  # fmt: skip
+        return held.exchange
 
 
 def _checked(session: Session, known: Known, plan: Plan) -> tuple[FoldedHeader, DerivedMessages, bytes, dict[str, Any]]:

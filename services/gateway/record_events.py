@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import msgspec
 from msgspec import UNSET
@@ -25,6 +25,11 @@ from sessionlog.wireforms import ResponseAssembler, SseLines
 from .record_plan import New, Plan, new_id
 
 log = logging.getLogger("sessionlog.gateway")
+
+# How long after a streamed answer's bytes were relayed they are read and logged: long enough for the event loop to
+# sleep first (a timer of a millisecond, which is the resolution of the loop's timers), short beside the 20 ms window
+# in which chunk records are published (`Exchange.relayed`).
+READ_AFTER_S: Final = 0.001
 
 
 class EventSink(Protocol):
@@ -130,7 +135,9 @@ class Exchange:
         self.assembler = ResponseAssembler()
         self.chunk_seqs: list[int] = []
         self.ended_once = False
-        self._relayed: deque[Any] = deque()  # lines relayed, not yet logged
+        self._unread: list[bytes] = []  # bytes relayed, not yet read (`read_relayed`)
+        self._reading: asyncio.TimerHandle | None = None
+        self._relayed: deque[Any] = deque()  # lines read, not yet logged
         self._logging: asyncio.Task[None] | None = None
 
     async def _chunk(self, chunk: dict[str, Any]) -> None:
@@ -138,11 +145,27 @@ class Exchange:
         self.chunk_seqs.append(event.seq)
 
     async def relayed(self, data: bytes) -> None:
-        """Bytes of a streamed answer that the client has been sent. Their lines are read here (the session is
-        `finishing` as soon as the last one was relayed), and their chunks logged in the exchange's own task, in
-        order: the relay goes on to the next bytes at once, so logging never holds a chunk back (each piece used to
-        wait for the logging of the one before)."""
-        self._relayed.extend(self.sse.feed(data))
+        """Bytes of a streamed answer that the client has been sent: kept, and read `READ_AFTER_S` later.
+
+        Nothing else happens here, so that the gateway's event loop goes back to sleep as soon as it has written the
+        bytes. Read and logged at once, each line reached the client a few µs later than through the gateway without
+        logging, most likely because a process woken by a write to its socket is run on the writer's CPU, which the
+        kernel expects the writer to leave: the client waited for the reading and logging to end. Read on a timer,
+        lines come no later (docs/performance.md, "Streamed lines")."""
+        self._unread.append(data)
+        if self._reading is None:
+            self._reading = asyncio.get_running_loop().call_later(READ_AFTER_S, self.read_relayed)
+
+    def read_relayed(self) -> None:
+        """Read the relayed bytes kept so far: the session is `finishing` once the answer's last line is read, and
+        the chunks of its lines are logged in the exchange's own task, in order; the relay never waits for that
+        logging (each piece used to wait for the logging of the one before)."""
+        if self._reading is not None:
+            self._reading.cancel()
+            self._reading = None
+        unread, self._unread = self._unread, []
+        for data in unread:
+            self._relayed.extend(self.sse.feed(data))
         if self.sse.done:
             self.finishing()
         task = self._logging
@@ -169,6 +192,7 @@ class Exchange:
         if self.ended_once:
             return
         self.ended_once = True
+        self.read_relayed()
         self.finishing()
         broken = False
         try:

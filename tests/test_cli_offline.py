@@ -284,3 +284,49 @@ def test_the_text_transcript_shows_control_characters_escaped_never_raw() -> Non
     assert not any(ch in text for ch in "\x1b\x07\r\x9b\x7f"), repr(text)
     assert "\\x1b]0;pwned\\x07" in text and "hidden\\x0dshown" in text and "\\x9b31m" in text
     assert "\nline two\tok" in text
+
+
+HOSTILE_CELLS = ("gpt[/x]", "[bold red]loud[/bold red]", "m\x1b[31mred", "a\x1b]52;c;cm0=\x07b")
+
+
+@pytest.mark.parametrize("hostile", HOSTILE_CELLS)
+def test_the_audit_report_prints_what_a_client_sent_as_text_never_as_markup(hostile: str) -> None:
+    """A model name, provider and finding are what a client or provider sent: `sessionlog audit` prints them as they
+    are (Rich markup neither read nor raising, `gpt[/x]` crashed the command with MarkupError) and control characters
+    escaped (found probing record mode, 2026-12-05)."""
+    import io
+
+    from rich.console import Console
+
+    from sessionlog.cli.auditcmds import print_report
+
+    tokens = {"requests": 1, "input_tokens": 3, "output_tokens": 4}
+    report = {
+        "session": "s1",
+        "ledger": {"by_model": [{"provider": hostile, "model": hostile, "tokens": tokens}], "total": tokens},
+        "provider_ledger": {"by_model": [{"model": hostile, "tokens": tokens}], "total": tokens},
+        "ledger_difference": [f"model {hostile} differs"],
+        "findings": [{"code": "RAW_STREAM_DIFFERS", "seq": 4, "turn": 1, "step": 1, "message": f"saw {hostile}"}],
+    }
+    out = io.StringIO()
+    print_report(report, Console(file=out, width=400, color_system=None))
+    text = out.getvalue()
+    shown = hostile.replace("\x1b", "\\x1b").replace("\x07", "\\x07")
+    assert text.count(shown) == 5, text  # provider and model, the provider's model, the difference, the finding
+    assert "\x1b" not in text and "\x07" not in text
+
+
+@pytest.mark.parametrize("hostile", HOSTILE_CELLS)
+def test_the_quarantine_listing_prints_a_reason_as_text_never_as_markup(hostile: str) -> None:
+    import io
+
+    from rich.console import Console
+
+    from sessionlog.cli.quarantinecmds import quarantine_table
+    from sessionlog.quarantine import Quarantined
+
+    entry = Quarantined(projection="ui-replayer", stream_seq=7, session_id="s1", reason=f"bad record: {hostile}")
+    out = io.StringIO()
+    Console(file=out, width=400, color_system=None).print(quarantine_table([entry]))
+    shown = hostile.replace("\x1b", "\\x1b").replace("\x07", "\\x07")
+    assert f"bad record: {shown}" in out.getvalue() and "\x1b" not in out.getvalue()

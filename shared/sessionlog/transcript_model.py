@@ -284,7 +284,12 @@ def transcript_plain(transcript: Transcript) -> str:
         seed = f" (seed length {transcript.fork.seed_length})" if transcript.fork.seed_length is not None else ""
         lines.append(f"forked from {transcript.fork.parent}{seed}")
     lines.extend(entry_line(e) for e in transcript.entries)
-    return "".join(line.translate(_TERMINAL_SAFE) + "\n" for line in lines)
+    return "".join(terminal_safe(line) + "\n" for line in lines)
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with the control characters a terminal would act on shown escaped (`\x1b`); newlines and tabs stay."""
+    return text.translate(_TERMINAL_SAFE)
 
 
 _encoder: Final = msgspec.json.Encoder()

@@ -10,6 +10,7 @@ import msgspec
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..audit import audit_session, chunk_delays, parse_step, step_chunks
 from ..contracts import REPORT
@@ -19,6 +20,7 @@ from ..log import SessionLog
 from ..micro import call
 from ..reader import read_raw_exchanges
 from .logcmds import run_with_log
+from .show import cell
 
 REPORT_SUBJECT = REPORT.subject
 
@@ -126,7 +128,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         numeric = column not in ("provider", "model")
         table.add_column(column, justify="right" if numeric else "left", overflow="fold")
 
-    def row(provider: str, model: str, tokens: dict[str, int]) -> list[str]:
+    def row(provider: str, model: str, tokens: dict[str, int]) -> list[Text | str]:
         keys = (
             "requests",
             "input_tokens",
@@ -135,7 +137,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
             "cache_write_tokens",
             "reasoning_tokens",
         )
-        return [provider, model, *(f"{tokens.get(k, 0):,}" for k in keys)]
+        return [cell(provider), cell(model), *(f"{tokens.get(k, 0):,}" for k in keys)]
 
     for entry in ledger.get("by_model", []):
         table.add_row(*row(entry["provider"], entry["model"], entry["tokens"]))
@@ -147,7 +149,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         table.add_row(*row("provider total", "", provider.get("total", {})), style="dim")
     console.print(table)
     for difference in report.get("ledger_difference") or ():
-        console.print(f"ledger difference: {difference}")
+        console.print(Text("ledger difference: ") + cell(difference))
     findings = report.get("findings") or []
     if not findings:
         console.print(
@@ -160,7 +162,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         found.add_column(column, overflow="fold")
     for finding in findings:
         where = f"{finding['turn']}.{finding['step']}" if finding.get("turn") is not None else ""
-        found.add_row(finding["code"], str(finding.get("seq", "")), where, finding["message"])
+        found.add_row(cell(finding["code"]), str(finding.get("seq", "")), where, cell(finding["message"]))
     console.print(found)
 
 

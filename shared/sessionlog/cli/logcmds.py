@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..log import SessionLog
 from ..settings import Settings
+from .show import cell
 
 T = TypeVar("T")
 
@@ -89,7 +90,8 @@ def sessions(
     for info in infos:
         events = "?" if info.error else str(info.events)  # a corrupt session: its last record did not read
         code = info.error.split(":", 1)[0] if info.error else ""  # the whole message: --json, or quarantine check
-        table.add_row(info.id, events, str(info.open_turn or ""), info.parent or "", _when(info.created_at), code)
+        table.add_row(cell(info.id), events, str(info.open_turn or ""), cell(info.parent or ""), _when(info.created_at),
+                      cell(code))  # fmt: skip
     Console().print(table)
 
 

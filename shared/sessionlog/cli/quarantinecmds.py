@@ -12,6 +12,7 @@ from rich.table import Table
 from ..log import SessionLog
 from ..quarantine import Diagnosis, Quarantined, check_session, entries
 from .logcmds import command_group, run_with_log
+from .show import cell
 
 quarantine = command_group("quarantine", "Records the projections quarantined, and why a session does not read.")
 
@@ -36,10 +37,15 @@ def list_(
         for entry in found:
             typer.echo(msgspec.json.encode(entry.to_dict()).decode())
         return
+    Console(width=200).print(quarantine_table(found))
+
+
+def quarantine_table(found: list[Quarantined]) -> Table:
+    """The listing's table: a reason may quote the record it is about, so every cell is shown literally."""
     table = Table("projection", "stream seq", "session", "reason")
     for entry in found:
-        table.add_row(entry.projection, str(entry.stream_seq), entry.session_id, entry.reason)
-    Console(width=200).print(table)
+        table.add_row(cell(entry.projection), str(entry.stream_seq), cell(entry.session_id), cell(entry.reason))
+    return table
 
 
 @quarantine.command("check")

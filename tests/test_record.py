@@ -556,6 +556,72 @@ async def test_a_provider_error_ends_the_turn_as_an_error_and_a_retry_continues(
     assert without_transport(provider.received[1]) == without_transport(provider.received[0])
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_error_the_provider_sends_inside_a_200_answer_ends_the_turn_as_an_error(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    provisioned: Settings,
+    stream: bool,
+) -> None:
+    """A provider that fails once it has sent its status sends an error object instead of (or after) chunks; the SDKs
+    raise it. The turn ends as an error naming it, so the client's retry extends the log (found probing record mode,
+    2026-12-05: logged as a completed answer, 'partial' or empty, and the retry then logged as a history edit)."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "partial answer that breaks", "error_after": 2, "error": "overloaded"}, {"text": "fine"}])
+    body = {"model": "scripted-model", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    failed = await complete(http, gateway, sid, body)
+    assert failed.status_code == 200 and b'"overloaded"' in failed.content  # relayed as the provider sent it
+    session = await load(log, sid)
+    assert [e.type for e in session if e.type in ("assistant/message", "tool/call")] == []
+    end = [e for e in session if e.type == "turn/end"][-1]
+    reason = msgspec.json.decode(end.raw)["data"]["reason"]
+    assert reason["kind"] == "error" and reason["error"]["code"] == "UPSTREAM_ERROR", reason
+    assert "overloaded" in reason["error"]["message"] and "scripted_error" in reason["error"]["message"]
+    retried = await complete(http, gateway, sid, body)
+    assert retried.status_code == 200, retried.text
+    session = await load(log, sid)
+    assert [e.type for e in session if e.type.startswith("turn/")] == ["turn/start", "turn/end"] * 2
+    assert not any(e.is_replace for e in session)
+    report = audit_session(session, await raw_exchanges(log, provisioned, sid, 2), session_id=sid).report()
+    assert report.findings == []
+
+
+async def test_a_client_that_gives_up_on_an_answer_and_asks_again_at_once_is_answered_not_refused_busy(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The OpenAI SDK whose read timeout fires mid-answer closes the connection and sends the request again at once.
+    The gateway ends the first answer (aborted) once it has seen the disconnect; the retry, which can come before
+    that, waits for it instead of getting a final 409 SESSION_BUSY (found probing record mode, 2026-12-05: 2 of 7
+    retries refused on a loaded machine). Here the end of the first answer is made to come late, to show it."""
+    real_ended = Exchange.ended
+
+    async def late_ended(self: Exchange, outcome: str, status: int, **kwargs: Any) -> None:
+        if outcome == "client_disconnected":
+            await asyncio.sleep(0.3)  # the disconnect seen only after the retry came (a loaded machine)
+        await real_ended(self, outcome, status, **kwargs)
+
+    monkeypatch.setattr(Exchange, "ended", late_ended)
+    sid = new_session_id("rec")
+    provider.load([{"text": "a slow answer of many words", "chunk_delay_s": 2.0}, {"text": "fast"}])
+    body = {"model": "scripted-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    url = base(gateway, sid) + "/chat/completions"
+    async with http.stream("POST", url, content=msgspec.json.encode(body)) as first:
+        assert first.status_code == 200
+        async for _line in first.aiter_lines():
+            break  # the first line, then the client gives up and hangs up
+    retried = await http.post(url, content=msgspec.json.encode(body), timeout=10)
+    assert retried.status_code == 200, retried.text
+    session = await load(log, sid)
+    reasons = [msgspec.json.decode(e.raw)["data"]["reason"]["kind"] for e in session if e.type == "turn/end"]
+    assert reasons == ["aborted", "completed"]
+
+
 @contextlib.asynccontextmanager
 async def gateway_process(
     url: str, provider_server: ServerThread

@@ -74,6 +74,9 @@ log = logging.getLogger("sessionlog.gateway")
 
 RELEASE_PREFIX: Final = "sessionlog.gateway.release."
 _FINISH_WAIT_S: Final = 5.0
+# How long a request for a busy session waits for the answer in flight to start ending: a client that gave up on an
+# answer (its read timeout) and sends the request again at once can be read before its disconnect is.
+_BUSY_GRACE_S: Final = 0.5
 # Bytes an event adds around the message it carries (seq, time, type, turn and step, surface fields), at most.
 _EVENT_ENVELOPE: Final = 1024
 
@@ -85,7 +88,8 @@ class _Held:
     tenant: str
     writer: SessionWriter | None = None
     busy: bool = True
-    finishing: asyncio.Event | None = None  # set when the provider has finished and only logging remains
+    # The answer in flight is ending (the provider finished, the client left, an error): only logging remains.
+    ending: asyncio.Event = field(default_factory=asyncio.Event)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     known: Known = field(default_factory=Known)  # what the planner keeps between requests
     dirty: bool = False  # events of a request are queued but not flushed: a failure now must not publish them
@@ -210,11 +214,14 @@ class Recorder:
     async def _claim(self, session_id: str, tenant: str) -> _Held:
         """Mark the session busy for this request (synchronously, before any wait), or refuse."""
         held = self._held.get(session_id)
-        if held is not None and held.busy and held.exchange is not None:
-            held.exchange.read_relayed()  # its answer's last line may be relayed and not yet read
-        if held is not None and held.busy and held.finishing is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(held.idle.wait(), _FINISH_WAIT_S)
+        if held is not None and held.busy:
+            if held.exchange is not None:
+                held.exchange.read_relayed()  # its answer's last line may be relayed and not yet read
+            if not held.ending.is_set():
+                await _first_of(held.ending, held.idle, timeout=_BUSY_GRACE_S)
+            if held.busy and held.ending.is_set():  # wait for its logging rather than refuse the next request
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(held.idle.wait(), _FINISH_WAIT_S)
             held = self._held.get(session_id)
         if held is not None:
             if held.busy:
@@ -223,13 +230,13 @@ class Recorder:
                 raise SessionNotFound(f"session {session_id} not found")
             held.busy = True
             held.idle.clear()
+            held.ending.clear()
             return held
         held = self._held[session_id] = _Held(tenant=tenant)
         return held
 
     def _free(self, session_id: str, held: _Held, *, broken: bool = False) -> None:
         held.busy = False
-        held.finishing = None
         held.exchange = None
         held.last_used = time.monotonic()
         held.idle.set()
@@ -335,8 +342,7 @@ class Recorder:
         session_id = call.session_id
 
         def finishing() -> None:
-            if held.finishing is None:
-                held.finishing = asyncio.Event()
+            held.ending.set()
 
         def free(broken: bool) -> None:
             self._free(session_id, held, broken=broken)
@@ -362,6 +368,16 @@ def _checked(session: Session, known: Known, plan: Plan) -> tuple[FoldedHeader, 
         raise divergence.error()
     transport: dict[str, Any] = {k: fields[k] for k in ("stream", "stream_options") if k in fields}
     return header, messages, expected, {**cache.expected_fields(header)[1], **transport}
+
+
+async def _first_of(*events: asyncio.Event, timeout: float) -> None:
+    """Return once any of `events` is set, or after `timeout` seconds."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 def _tenant_of(header: bytes) -> str:

@@ -227,16 +227,20 @@ class Exchange:
     async def _log_answer(self, body: bytes | None) -> None:
         emit = self.writer.emit
         turn, step = self.turn, self.step
+        assembler = self.assembler
         if body is not None:
             try:
-                self.assembler.completion(msgspec.json.decode(body))
+                assembler.completion(msgspec.json.decode(body))
             except msgspec.DecodeError:
                 await self._close("error", {"message": "the provider's answer is not JSON", "code": "UPSTREAM_ERROR"})
                 return
-        else:
-            for chunk in self.assembler.end():
+        if assembler.error is not None:  # sent with status 200, so the client's SDK raises it: not an answer
+            await self._close("error", {"message": f"the provider's answer carried an error: {assembler.error}",
+                                        "code": "UPSTREAM_ERROR"})  # fmt: skip
+            return
+        if body is None:
+            for chunk in assembler.end():
                 await self._chunk(chunk)
-        assembler = self.assembler
         source = {"kind": "model", "provider": self.provider,
                   "model": self.writer.session.fold_request_header().header.config.model}  # type: ignore[union-attr]  # fmt: skip
         data: dict[str, Any] = {"turn": turn, "step": step,

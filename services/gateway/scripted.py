@@ -16,6 +16,9 @@ A script is a JSON array or JSONL file of replies, used in order (`cycle` repeat
   streamed body open that long after `data: [DONE]` (a provider whose stream ends after its last line);
 - `status` and `error`: answer that HTTP status with an OpenAI-style error instead;
 - `disconnect_after`: drop the connection after that many streamed chunks;
+- `error_after`: answer HTTP 200 but carry the `error` as an OpenAI-style error object in the body, as providers do
+  when they fail once the status is sent: streamed, a `data:` line after that many chunks (then `data: [DONE]`);
+  not streamed, the whole body;
 - `stamp_chunks`: each streamed chunk's `system_fingerprint` is `sent_ns=<CLOCK_MONOTONIC in ns>` as it is sent,
   so a client on the same machine can tell how long each chunk took to reach it (the benchmarks do).
 
@@ -77,6 +80,7 @@ class _Reply(Struct, forbid_unknown_fields=True):
     status: Annotated[int, Meta(ge=100, le=599)] = 200
     error: str | None = None
     disconnect_after: Annotated[int, Meta(ge=0)] | None = None
+    error_after: Annotated[int, Meta(ge=0)] | None = None
     stamp_chunks: bool = False
 
 
@@ -187,23 +191,30 @@ class ScriptedProvider:
                 self._stream(reply, model, include_usage, len(body)), media_type="text/event-stream"
             )
         self.completed += 1
+        if reply.get("error_after") is not None:
+            return Response(_error_object(reply), media_type="application/json")
         return Response(msgspec.json.encode(_completion(reply, model, len(body))), media_type="application/json")
 
     async def _stream(self, reply: dict[str, Any], model: str, include_usage: bool, size: int) -> AsyncIterator[bytes]:
         chunk_delay = float(reply.get("chunk_delay_s", 0))
         drop_after = reply.get("disconnect_after")
+        error_after = reply.get("error_after")
         stamp = bool(reply.get("stamp_chunks"))
         sent = 0
         try:
             for chunk in _chunks(reply, model, include_usage, size):
                 if drop_after is not None and sent >= int(drop_after):
                     raise _Dropped("scripted disconnect")
+                if error_after is not None and sent >= int(error_after):
+                    break
                 if sent and chunk_delay:
                     await asyncio.sleep(chunk_delay)
                 if stamp:
                     chunk = {**chunk, "system_fingerprint": f"sent_ns={time.monotonic_ns()}"}
                 yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
                 sent += 1
+            if error_after is not None:
+                yield b"data: " + _error_object(reply) + b"\n\n"
             yield b"data: [DONE]\n\n"
             end_delay = float(reply.get("end_delay_s", 0))
             if end_delay:
@@ -245,6 +256,12 @@ class ScriptedProvider:
                 Route("/healthz", self.health, methods=["GET"]),
             ]
         )
+
+
+def _error_object(reply: dict[str, Any]) -> bytes:
+    message = str(reply.get("error") or "scripted error")
+    return msgspec.json.encode({"error": {"message": message, "type": "server_error", "param": None,
+                                          "code": "scripted_error"}})  # fmt: skip
 
 
 async def _sleep_unless_disconnected(request: Request, delay: float) -> bool:

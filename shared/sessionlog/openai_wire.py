@@ -178,6 +178,15 @@ def error_text(error: ChatError | str | None, *, code: bool = True) -> str | Non
     return str(error.message or (error.code if code else None) or "error")
 
 
+def error_words(error: ChatError | str) -> str:
+    """A response's `error` object in words: its message, with its code beside it (`overloaded (server_busy)`)."""
+    if isinstance(error, str):
+        return error
+    if error.message and error.code is not None:
+        return f"{error.message} ({error.code})"
+    return str(error.message or error.code or "an error without a message")
+
+
 # ---------------------------------------------------------------------------------------------- assembling
 
 
@@ -192,7 +201,7 @@ class ResponseAssembler:
     choice 0 is read.
     """
 
-    __slots__ = ("_blocks", "_calls", "_finish", "_keys", "_texts", "reported", "usage")
+    __slots__ = ("_blocks", "_calls", "_finish", "_keys", "_texts", "error", "reported", "usage")
 
     def __init__(self) -> None:
         self._keys: dict[str, int] = {}  # "reasoning" / "text" / "call<N>" -> block index
@@ -202,6 +211,8 @@ class ResponseAssembler:
         self._finish: str | None = None
         self.usage: dict[str, int] | None = None  # as logged
         self.reported: ChatUsage | None = None  # as the provider sent it
+        # The first error object the answer carried (a provider that failed after sending its 200), in words.
+        self.error: str | None = None
 
     def _open(self, key: str, block_type: str, out: list[dict[str, Any]]) -> int:
         index = self._keys.get(key)
@@ -221,6 +232,8 @@ class ResponseAssembler:
 
     def take(self, chunk: ChatCompletionChunk) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        if chunk.error is not None and self.error is None:
+            self.error = error_words(chunk.error)
         if chunk.usage is not None:
             self.reported = chunk.usage
             usage = chunk.usage.logged()
@@ -276,6 +289,8 @@ class ResponseAssembler:
         self.take_completion(obj)
 
     def take_completion(self, completion: ChatCompletion) -> None:
+        if completion.error is not None and self.error is None:
+            self.error = error_words(completion.error)
         self.reported = completion.usage
         self.usage = completion.usage.logged() if completion.usage is not None else None
         for choice in completion.choices or ():
@@ -459,6 +474,7 @@ __all__ = [
     "chunk_decoder",
     "completion_decoder",
     "error_text",
+    "error_words",
     "parse_raw_response",
     "request_decoder",
     "usage_of",

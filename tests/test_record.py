@@ -622,6 +622,39 @@ async def test_a_client_that_gives_up_on_an_answer_and_asks_again_at_once_is_ans
     assert reasons == ["aborted", "completed"]
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_answer_with_two_tool_calls_of_one_id_ends_the_turn_as_an_error_naming_it(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, stream: bool
+) -> None:
+    """A provider's answer whose two tool calls share an id cannot be logged as calls (no result could say which it
+    answers): the turn ends as an error naming the id, and the client's echo of the answer is refused with 422
+    naming the second call. Found probing record mode, 2026-12-05: logging the answer failed, the turn was left
+    open, and the echo got 409 STRUCTURE_INVALID citing seqs the log does not have."""
+    sid = new_session_id("rec")
+    twice = [{**READ_CALL, "id": "dup"}, {**READ_CALL, "id": "dup", "arguments": '{"path": "b.txt"}'}]
+    provider.load([{"text": "", "tool_calls": twice}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Read both"}]
+    body = {"model": "scripted-model", "tools": TOOLS, "stream": stream, "messages": messages}
+    answered = await complete(http, gateway, sid, body)
+    assert answered.status_code == 200, answered.text  # the client has the provider's answer as it was
+    session = await load(log, sid)
+    assert [e.type for e in session][-2:] == ["step/end", "turn/end"]
+    assert not [e for e in session if e.type in ("assistant/message", "tool/call")]
+    reason = msgspec.json.decode(session[len(session) - 1].raw)["data"]["reason"]
+    assert reason["kind"] == "error" and "'dup'" in reason["error"]["message"], reason
+    echo = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": c["id"], "type": "function", "function": {"name": c["name"],
+                                                                              "arguments": c["arguments"]}}
+                           for c in twice]}  # fmt: skip
+    before = await log.reader.events(sid)
+    refused = await complete(http, gateway, sid, {**body, "stream": False, "messages": [
+        *messages, echo, {"role": "tool", "tool_call_id": "dup", "content": "a"},
+        {"role": "tool", "tool_call_id": "dup", "content": "b"}]})  # fmt: skip
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["error"]["param"] == "$.messages[1].tool_calls[1].id"
+    assert await log.reader.events(sid) == before
+
+
 @contextlib.asynccontextmanager
 async def gateway_process(
     url: str, provider_server: ServerThread
@@ -1230,10 +1263,11 @@ DEEP = b"[" * 20_000 + b"]" * 20_000
         b'{"role":"assistant","content":"first"},{"role":"user","content":"more"}]}',
         b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"},'
         b'{"role":"assistant","content":"first","reasoning_content":7},{"role":"user","content":"more"}]}',
+        b'{"model":"scripted-model","messages":[{"role":"user","content":"hi"}],"functions":[{"name":"f"}]}',
     ],
     ids=["deep-messages", "deep-in-a-message", "deep-tools", "deep-field", "bad-escape", "bad-utf8",
          "bad-utf8-in-model", "not-json", "not-an-object", "messages-an-object", "model-a-list", "role-a-number",
-         "bad-tool-call", "empty", "stream-a-string", "reasoning-a-number"],
+         "bad-tool-call", "empty", "stream-a-string", "reasoning-a-number", "legacy-functions"],
 )  # fmt: skip
 async def test_a_bad_body_to_the_record_route_is_a_typed_4xx_and_changes_nothing(
     http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog, body: bytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -232,6 +233,23 @@ def test_a_field_whose_snake_case_name_would_not_come_back_is_refused_before_any
     assert config_key("top_logprobs") == "topLogprobs" and config_key("a_b2c") == "aB2c"
     with pytest.raises(UnsupportedContent, match=r"\$\.top_1_only"):
         request_header({"model": "m", "top_1_only": 1}, provider="p", system=None)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("functions", [{"name": "f", "parameters": {"type": "object"}}], "legacy function calling"),
+        ("function_call", "auto", "legacy function calling"),
+        ("provider", {"order": ["A"]}, "config.provider holds the header's own provider"),
+        ("system_role", "developer", "config.systemRole holds the header's own system prompt's role"),
+        ("topK", 3, "lowercase words joined by single underscores"),
+    ],
+)
+def test_a_request_field_the_header_cannot_keep_is_refused_saying_why(field: str, value: Any, why: str) -> None:
+    """Legacy `functions` were accepted and their answer (`function_call`) logged as an empty message; OpenRouter's
+    `provider` was refused without a reason (found probing record mode, 2026-12-05)."""
+    with pytest.raises(UnsupportedContent, match=rf"^UNSUPPORTED_CONTENT: \$\.{field}: .*{re.escape(why)}"):
+        request_header({"model": "m", field: value}, provider="p", system=None)
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,15 @@ async def _tool_result(writer: EventSink, turn: int, step: int, item: New, call_
     await writer.emit("tool/result", data, surface_op="append", source_event_seqs=seqs)
 
 
+def _repeated_call_id(calls: list[dict[str, str]]) -> str | None:
+    seen: set[str] = set()
+    for call in calls:
+        if call["id"] in seen:
+            return call["id"]
+        seen.add(call["id"])
+    return None
+
+
 class Exchange:
     """One recorded request's response, logged as it is relayed (the gateway's forwarding calls these)."""
 
@@ -241,6 +250,11 @@ class Exchange:
         if body is None:
             for chunk in assembler.end():
                 await self._chunk(chunk)
+        if (twice := _repeated_call_id(assembler.calls())) is not None:
+            await self._close("error", {"message": f"the provider's answer has two tool calls with id {twice!r}: no "
+                                        "tool result could say which it answers, so they are not logged as calls",
+                                        "code": "UPSTREAM_ERROR"})  # fmt: skip
+            return
         source = {"kind": "model", "provider": self.provider,
                   "model": self.writer.session.fold_request_header().header.config.model}  # type: ignore[union-attr]  # fmt: skip
         data: dict[str, Any] = {"turn": turn, "step": step,

@@ -218,7 +218,14 @@ def logged_message(wire: Mapping[str, Any], message_id: str, where: str = "$.mes
         if wire.get("reasoning_content"):
             content.append({"type": "reasoning", "text": wire["reasoning_content"]})
         content += blocks
-        for call in wire.get("tool_calls") or ():
+        seen: set[str] = set()
+        for i, call in enumerate(wire.get("tool_calls") or ()):
+            if call["id"] in seen:
+                raise UnsupportedContent(
+                    f"{where}.tool_calls[{i}].id: a second tool call with id {call['id']!r} in one message; no tool "
+                    "result could say which of the two it answers"
+                )
+            seen.add(call["id"])
             function = call["function"]
             content.append(
                 {"type": "tool-call", "id": call["id"], "name": function["name"], "arguments": function["arguments"]}
@@ -226,6 +233,12 @@ def logged_message(wire: Mapping[str, Any], message_id: str, where: str = "$.mes
         return {"id": message_id, "role": "assistant", "source": {"kind": "client"}, "content": content}
     raise UnsupportedContent(f"{where}: role {role!r} has no logged form (only a first system or developer "
                              "message, user, assistant and tool messages do)")  # fmt: skip
+
+
+# OpenAI's function calling before tools: the answer's `function_call` is not a tool call and nothing logs it.
+_LEGACY_FUNCTION_FIELDS: Final = frozenset({"functions", "function_call"})
+_OWN_KEYS: Final = {"provider": "provider (the one the gateway calls)", "model": "model",
+                    SYSTEM_ROLE_KEY: "system prompt's role"}  # fmt: skip
 
 
 def config_key(field: str) -> str | None:
@@ -254,9 +267,19 @@ def request_header(
     for field, value in request.items():
         if field in ("model", "messages", "tools") or field in TRANSPORT_FIELDS or value is None:
             continue
+        if field in _LEGACY_FUNCTION_FIELDS:
+            raise UnsupportedContent(
+                f"$.{field}: legacy function calling cannot be logged (an answer's function_call has no logged "
+                "form); send tools and tool_choice instead"
+            )
         key = config_key(field)
-        if key is None or key in ("provider", "model", SYSTEM_ROLE_KEY):
-            raise UnsupportedContent(f"$.{field}: a request field by this name cannot be logged in request/header")
+        if key is None:
+            raise UnsupportedContent(f"$.{field}: a request field by this name cannot be logged in request/header: "
+                                     "its config key (camelCase) would not give the name back; a field name is "
+                                     "lowercase words joined by single underscores")  # fmt: skip
+        if key in ("provider", "model", SYSTEM_ROLE_KEY):
+            raise UnsupportedContent(f"$.{field}: a request field by this name cannot be logged in request/header: "
+                                     f"config.{key} holds the header's own {_OWN_KEYS[key]}")  # fmt: skip
         config[key] = value
     if system is not None:
         header["system"] = system

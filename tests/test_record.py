@@ -655,6 +655,24 @@ async def test_an_answer_with_two_tool_calls_of_one_id_ends_the_turn_as_an_error
     assert await log.reader.events(sid) == before
 
 
+@pytest.mark.parametrize("status", [200, 429])
+async def test_the_providers_retry_and_rate_limit_headers_reach_the_client(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, status: int
+) -> None:
+    """`retry-after-ms` and `x-ratelimit-*` are what the SDKs read to pace a client (found probing record mode,
+    2026-12-05: only `retry-after` was relayed, and only on errors); the gateway's own headers stay."""
+    sid = new_session_id("rec")
+    sent = {"retry-after": "2", "retry-after-ms": "1500", "x-ratelimit-remaining-requests": "7",
+            "x-ratelimit-reset-tokens": "6m0s", "x-provider-private": "not relayed"}  # fmt: skip
+    provider.load([{"text": "ok", "status": status, "error": "slow down", "headers": sent}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    answer = await complete(http, gateway, sid, body)
+    assert answer.status_code == status, answer.text
+    for name in ("retry-after", "retry-after-ms", "x-ratelimit-remaining-requests", "x-ratelimit-reset-tokens"):
+        assert answer.headers.get(name) == sent[name], (name, dict(answer.headers))
+    assert "x-provider-private" not in answer.headers and answer.headers["x-sessionlog-request-id"]
+
+
 @contextlib.asynccontextmanager
 async def gateway_process(
     url: str, provider_server: ServerThread

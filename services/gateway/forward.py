@@ -97,6 +97,16 @@ def no_retry(status: int) -> dict[str, str]:
     return {H_SHOULD_RETRY: "false"} if 400 <= status < 500 else {}
 
 
+def provider_advice(headers: Mapping[str, str]) -> dict[str, str]:
+    """The provider's response headers a client acts on, relayed as they came: when to retry (`retry-after`,
+    `retry-after-ms`) and its rate limits (`x-ratelimit-*`), which the SDKs read and expose."""
+    return {k.lower(): v for k, v in headers.items() if k.lower() in _RETRY_HEADERS or k.lower().startswith(
+        "x-ratelimit-")}  # fmt: skip
+
+
+_RETRY_HEADERS: Final = frozenset({"retry-after", "retry-after-ms"})
+
+
 def sse_error(err: SessionLogError, request_id: str) -> bytes:
     return b"data: " + msgspec.json.encode(error_body(err, request_id=request_id)) + b"\n\n"
 
@@ -165,7 +175,7 @@ class Forwarder:
                 detach(observer.ended("client_disconnected", 499))
             raise
         self.metrics.upstream_first_byte_seconds.observe(time.perf_counter() - sent)
-        headers = {H_RESPONSE_REQUEST_ID: call.request_id}
+        headers = {H_RESPONSE_REQUEST_ID: call.request_id, **provider_advice(response.headers)}
         if call.derivation is not None:
             headers[H_RESPONSE_SEQ] = str(call.derivation.seq)
         flight = _Flight(call, upstream, response, request_entry, sent, observer)
@@ -224,7 +234,9 @@ class Forwarder:
         body = error_body(err, request_id=call.request_id)
         body["error"]["upstream_status"] = status
         # The provider's own retry advice (a 429's `retry-after`) is the client's to follow, not the gateway's.
-        advice = {k: v for k in ("retry-after", H_SHOULD_RETRY) if (v := response.headers.get(k)) is not None}
+        advice = provider_advice(response.headers)
+        if (should := response.headers.get(H_SHOULD_RETRY)) is not None:
+            advice[H_SHOULD_RETRY] = should
         return JSONResponse(body, status_code=err.status, headers={H_RESPONSE_REQUEST_ID: call.request_id, **advice})
 
     async def _relay(self, flight: _Flight) -> AsyncIterator[bytes]:

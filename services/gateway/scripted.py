@@ -19,6 +19,7 @@ A script is a JSON array or JSONL file of replies, used in order (`cycle` repeat
 - `error_after`: answer HTTP 200 but carry the `error` as an OpenAI-style error object in the body, as providers do
   when they fail once the status is sent: streamed, a `data:` line after that many chunks (then `data: [DONE]`);
   not streamed, the whole body;
+- `headers`: response headers to send with the reply (`retry-after`, `x-ratelimit-remaining-requests`, ...);
 - `stamp_chunks`: each streamed chunk's `system_fingerprint` is `sent_ns=<CLOCK_MONOTONIC in ns>` as it is sent,
   so a client on the same machine can tell how long each chunk took to reach it (the benchmarks do).
 
@@ -81,6 +82,7 @@ class _Reply(Struct, forbid_unknown_fields=True):
     error: str | None = None
     disconnect_after: Annotated[int, Meta(ge=0)] | None = None
     error_after: Annotated[int, Meta(ge=0)] | None = None
+    headers: dict[str, str] = {}
     stamp_chunks: bool = False
 
 
@@ -182,18 +184,22 @@ class ScriptedProvider:
             self.disconnects += 1
             return Response(status_code=499)
         status = int(reply.get("status", 200))
+        headers = dict(reply.get("headers") or {})
         if status != 200:
-            return _error(status, str(reply.get("error", f"scripted error {status}")), "server_error")
+            error = _error(status, str(reply.get("error", f"scripted error {status}")), "server_error")
+            error.headers.update(headers)
+            return error
         model = str(parsed.get("model") or self.model)
         if parsed.get("stream") is True:
             include_usage = bool((parsed.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(
-                self._stream(reply, model, include_usage, len(body)), media_type="text/event-stream"
+                self._stream(reply, model, include_usage, len(body)), media_type="text/event-stream", headers=headers
             )
         self.completed += 1
         if reply.get("error_after") is not None:
-            return Response(_error_object(reply), media_type="application/json")
-        return Response(msgspec.json.encode(_completion(reply, model, len(body))), media_type="application/json")
+            return Response(_error_object(reply), media_type="application/json", headers=headers)
+        completion = msgspec.json.encode(_completion(reply, model, len(body)))
+        return Response(completion, media_type="application/json", headers=headers)
 
     async def _stream(self, reply: dict[str, Any], model: str, include_usage: bool, size: int) -> AsyncIterator[bytes]:
         chunk_delay = float(reply.get("chunk_delay_s", 0))

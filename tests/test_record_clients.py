@@ -577,7 +577,9 @@ async def test_a_framework_compaction_is_logged_as_a_replace_with_provenance_and
     # the transcript keeps the originals, marks the compaction, and shows each message the user saw once
     for kept in ("First question?", "First answer.", "Second question?", "Second answer.", "Third answer."):
         assert rec.transcript.count(f"] {'user' if 'question' in kept else 'assistant'}: {kept}\n") == 1, kept
-    assert f"[{replace.seq}] (summarised for the model: events {min(first)}-{max(first)})" in rec.transcript
+    # the client's summary, as far as the log can tell, is a message it put there: "replaced", not "summarised"
+    # (found probing record mode, 2026-12-05: every replacement was called a summary, a trimming too)
+    assert f"[{replace.seq}] (replaced for the model: events {min(first)}-{max(first)})" in rec.transcript
     assert set(second).isdisjoint(replace.source_event_seqs), "what the client kept is kept, not re-logged"
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 from hypothesis import given
-from sessiongen import SessionBuilder, generated_sessions, text_block, tool_call_block
+from sessiongen import SessionBuilder, generated_sessions, text_block, tool_call_block, user_message_data
 from test_fixtures_corpus import FIXTURE_FILES, FIXTURES_DIR, load_fixture, read_fixture
 
 from services.ui_replayer.service import UIState
@@ -241,6 +241,27 @@ def _record(number: int, events: list[bytes]) -> Record:
 
 
 # ---------------------------------------------------------------------------------------------- compaction
+
+
+def test_a_replacement_no_compaction_wrote_is_called_replaced_not_summarised() -> None:
+    """Record mode logs a client's own history edit (a trimming, a rewrite, a summary it made) as the client's
+    message in a replacement; the transcript cannot know it for a summary and says "replaced" (found probing record
+    mode, 2026-12-05: an openai-agents trimming was shown as "summarised for the model")."""
+    b = SessionBuilder()
+    b.turn_start()
+    first = b.user_message("Question one?")
+    b.request_header()
+    b.text_step("Answer one.")
+    b.turn_end()
+    b.turn_start()
+    nodes = b.session.surface.nodes
+    envelope = {"surfaceOp": {"op": "replace", "start": nodes[0], "end": nodes[-1]}, "sourceEventSeqs": list(nodes)}
+    b.emit("user/message", user_message_data("Question two?", b.fresh_id("user"), {"kind": "user"}), **envelope)
+    transcript = build_transcript(b.session)
+    (marker,) = entries_of(transcript, CompactionEntry)
+    assert not marker.summarised
+    assert f"replaced for the model: events {first}-{nodes[-1]}" in transcript_plain(transcript)
+    assert "summarised" not in transcript_plain(transcript)
 
 
 def test_a_compaction_is_a_marker_and_the_messages_it_summarises_stay() -> None:

@@ -7,8 +7,9 @@ needs to follow the session: turn starts and outcomes (completed, aborted and by
 interrupted by a crash with its synthetic tool results marked as such), the assistant's text as it streamed
 (a `StreamEntry` while a response is in progress, or for a response that never became a message: a failed or
 retried request), forks and resumes (the seed boundary, a link to the parent), and compactions as markers
-("summarised for the model: events 12-40"). A compaction never removes a line: the replacement event only adds
-its marker, and every message it shadows stays.
+("summarised for the model: events 12-40" for a compaction's summary, "replaced for the model: ..." for any other
+message put in their place, such as a client's own edit in record mode). A compaction never removes a line: the
+replacement event only adds its marker, and every message it shadows stays.
 
 `TranscriptBuilder` is incremental: `add(event)` returns the `Update`s the event causes (a new or changed entry,
 or text appended to a streaming block), so a live page can follow a session without re-sending it; `snapshot()`
@@ -481,6 +482,7 @@ def _compaction(event: Event) -> tm.CompactionEntry:
         through=through,
         covered=covered,
         summary=tm.shown_blocks(message.content),
+        summarised=message.source.kind == "plugin" and message.source.plugin == "compact",
     )
 
 

@@ -82,6 +82,9 @@ class CompactionEntry(_Entry, frozen=True, tag="compaction"):
     through: int = 0
     covered: tuple[int, ...] = ()
     summary: tuple[ShownBlock, ...] = ()
+    # A summary by a compaction (dsh's `compact` plugin, `SessionWriter.compact`); else some other message now stands
+    # where those events were (a client's own edit in record mode, which may trim, summarise or rewrite).
+    summarised: bool = False
 
 
 class TurnEndEntry(_Entry, frozen=True, tag="turn-end"):
@@ -259,7 +262,7 @@ def entry_line(entry: Entry) -> str:
     if isinstance(entry, NoteEntry):
         return f"[{entry.seq}] ({entry.text})"
     if isinstance(entry, CompactionEntry):
-        return f"[{entry.seq}] (summarised for the model: events {entry.first}-{entry.through})"
+        return f"[{entry.seq}] ({compaction_label(entry)})"
     if isinstance(entry, StreamEntry):
         text = " | ".join(_block_line(b) for b in entry.blocks)
         why = f" {entry.error}" if entry.error else ""
@@ -269,6 +272,12 @@ def entry_line(entry: Entry) -> str:
     flags += f" (synthetic {entry.synthetic})" if entry.synthetic else ""
     sep = " " if entry.role == "tool" else ": "  # "[7] tool result [call c1]: ..."
     return "\n".join(f"[{entry.seq}] {who}{flags}{sep}{_block_line(b)}" for b in entry.blocks) or f"[{entry.seq}] {who}"
+
+
+def compaction_label(entry: CompactionEntry) -> str:
+    """`summarised for the model: events 3-9`, or `replaced for the model: ...` when no compaction wrote it."""
+    how = "summarised" if entry.summarised else "replaced"
+    return f"{how} for the model: events {entry.first}-{entry.through}"
 
 
 # Control characters a terminal acts on (C0 but newline and tab, DEL, C1), shown as `\x1b`: a message may hold
@@ -341,11 +350,13 @@ __all__ = [
     "TurnStartEntry",
     "Update",
     "coalesce",
+    "compaction_label",
     "entry_json",
     "entry_line",
     "fork_info",
     "logged_entries",
     "shown_blocks",
+    "terminal_safe",
     "transcript_json",
     "transcript_plain",
 ]

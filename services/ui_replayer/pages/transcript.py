@@ -17,6 +17,7 @@ from sessionlog.transcript import (
     Transcript,
     TurnEndEntry,
     TurnStartEntry,
+    compaction_label,
 )
 
 from .frame import SYNTHETIC_TEXT, SessionContext, esc, html_page, session_bottom, session_href, session_top
@@ -103,7 +104,7 @@ def render_entry(entry: Entry) -> str:
     if isinstance(entry, CompactionEntry):
         return (
             _open(entry, "compaction")
-            + f'<span class="marker">summarised for the model: events {entry.first}-{entry.through}</span>'
+            + f'<span class="marker">{esc(compaction_label(entry))}</span>'
             + '<details class="summary"><summary>what the model sees instead</summary>'
             + f"{_blocks(entry.summary)}</details>"
             + "</div>"

@@ -149,7 +149,8 @@
       return shell(e, "div", "note").appendChild(document.createTextNode(e.text || "")).parentNode;
     case "compaction":
       node = shell(e, "div", "compaction");
-      node.appendChild(el("span", "marker", "summarised for the model: events " + e.first + "-" + e.through));
+      node.appendChild(el("span", "marker", (e.summarised ? "summarised" : "replaced") + " for the model: events " +
+        e.first + "-" + e.through));
       details = el("details", "summary");
       details.appendChild(el("summary", null, "what the model sees instead"));
       details.appendChild(blocks(e.summary, false));

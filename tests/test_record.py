@@ -673,6 +673,26 @@ async def test_the_providers_retry_and_rate_limit_headers_reach_the_client(
     assert "x-provider-private" not in answer.headers and answer.headers["x-sessionlog-request-id"]
 
 
+async def test_a_second_result_for_a_call_is_refused_as_a_second_result(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
+) -> None:
+    """Found probing record mode, 2026-12-05: two results for one call were refused saying that no assistant
+    message made the call, which one had."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "", "tool_calls": [READ_CALL]}])
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Read my notes"}]
+    body = {"model": "scripted-model", "tools": TOOLS, "messages": messages}
+    first = await complete(http, gateway, sid, body)
+    assert first.status_code == 200, first.text
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "hello"}
+    messages += [first.json()["choices"][0]["message"], result, {**result, "content": "hello again"}]
+    before = await log.reader.events(sid)
+    refused = await complete(http, gateway, sid, {**body, "messages": messages})
+    assert refused.status_code == 409, refused.text
+    assert "a second tool result for call 'call_1'" in refused.json()["error"]["message"]
+    assert await log.reader.events(sid) == before
+
+
 @contextlib.asynccontextmanager
 async def gateway_process(
     url: str, provider_server: ServerThread

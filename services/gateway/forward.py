@@ -272,6 +272,11 @@ class Forwarder:
             outcome, code, message = "upstream_error", err.code, str(err)
             self.metrics.upstream_errors.labels(err.code).inc()
             yield sse_error(err, call.request_id)
+            if observer is not None:  # as for an answer: the end is logged before the response ends
+                ending = True
+                await asyncio.shield(
+                    asyncio.ensure_future(_end_observed(observer, chunks[observed:], outcome, message, code))
+                )
         finally:
             if observer is not None and not ending:  # its own task: this one may be cancelled
                 detach(_end_observed(observer, chunks[observed:], outcome, message, code))

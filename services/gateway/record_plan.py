@@ -332,14 +332,24 @@ def _pair(
     leading = new[first:lead]
     rest = new[:first] + new[lead:]
     announced: set[str] = set()
+    # calls already answered: in the open step (logged, or leading in this request), then in this request
+    answered = {n.call_id for n in leading} | (set(step.results) if step is not None else set())
     for item in rest:
         if item.role == "assistant":
             announced.update(c["id"] for c in item.calls)
-        elif item.role == "tool" and item.call_id not in announced:
-            raise DerivationDiverges(
-                f"request {PHRASE} at $.messages: a tool message answers call {item.call_id!r}, which no "
-                "assistant message of the open step or of this request made"
-            )
+            answered -= {c["id"] for c in item.calls}
+        elif item.role == "tool":
+            if item.call_id in answered:
+                raise DerivationDiverges(
+                    f"request {PHRASE} at $.messages: a second tool result for call {item.call_id!r}, which has a "
+                    "result already"
+                )
+            if item.call_id not in announced:
+                raise DerivationDiverges(
+                    f"request {PHRASE} at $.messages: a tool message answers call {item.call_id!r}, which no "
+                    "assistant message of the open step or of this request made"
+                )
+            answered.add(item.call_id)
     return leading, rest
 
 

@@ -466,6 +466,29 @@ async def test_a_session_belongs_to_the_tenant_that_created_it(
     assert len(provider.received) == 1
 
 
+async def test_another_tenants_key_gets_not_found_while_the_session_answers_too(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider
+) -> None:
+    """Found probing record mode, 2026-12-05: while the session was answering, another tenant's key got 409
+    SESSION_BUSY, which told it that the session exists and is in use; it gets 404 as when the session is idle."""
+    sid = new_session_id("rec")
+    provider.load([{"text": "mine"}, {"text": "a slow answer of many words", "chunk_delay_s": 0.3}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    assert (await complete(http, gateway, sid, body)).status_code == 200
+    url = base(gateway, sid) + "/chat/completions"
+    follow = {**body, "stream": True, "messages": [*body["messages"], {"role": "assistant", "content": "mine"},
+                                                    {"role": "user", "content": "more"}]}  # fmt: skip
+    async with http.stream("POST", url, content=msgspec.json.encode(follow)) as streaming:
+        assert streaming.status_code == 200
+        lines = streaming.aiter_lines()
+        await anext(lines)  # the session is answering now
+        async with httpx.AsyncClient(timeout=10) as other:
+            foreign = await other.post(url, json=body, headers={"authorization": f"Bearer {KEY_B}"})
+        assert foreign.status_code == 404 and foreign.json()["error"]["code"] == "SESSION_NOT_FOUND", foreign.text
+        rest = [line async for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and len(rest) > 3  # the answer was still streaming when the other key came
+
+
 # ---------------------------------------------------------------------------------------------- failures
 
 

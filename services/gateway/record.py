@@ -214,6 +214,8 @@ class Recorder:
     async def _claim(self, session_id: str, tenant: str) -> _Held:
         """Mark the session busy for this request (synchronously, before any wait), or refuse."""
         held = self._held.get(session_id)
+        if held is not None and held.tenant != tenant:  # before anything that would tell it the session is in use
+            raise SessionNotFound(f"session {session_id} not found")
         if held is not None and held.busy:
             if held.exchange is not None:
                 held.exchange.read_relayed()  # its answer's last line may be relayed and not yet read

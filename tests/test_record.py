@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import os
 import signal
 import subprocess
@@ -716,6 +717,38 @@ async def test_a_second_result_for_a_call_is_refused_as_a_second_result(
     assert await log.reader.events(sid) == before
 
 
+async def test_a_request_that_waits_too_long_for_the_answer_before_it_to_be_logged_is_a_503_to_retry(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The answer before it is over but its logging does not end (the log unavailable): the request waits, then is
+    503 `LOG_UNAVAILABLE`, which the SDKs retry. It was 409 `SESSION_BUSY` with `x-should-retry: false`, though the
+    session was answering nothing (found probing record mode with nats-server stopped, 2026-12-05)."""
+    monkeypatch.setattr(record_module, "_FINISH_WAIT_S", 0.3)
+    real_ended = Exchange.ended
+
+    async def stuck_ended(self: Exchange, outcome: str, status: int, **kwargs: Any) -> None:
+        self.finishing()
+        await asyncio.sleep(1.5)  # the end cannot be flushed for a while
+        await real_ended(self, outcome, status, **kwargs)
+
+    monkeypatch.setattr(Exchange, "ended", stuck_ended)
+    sid = new_session_id("rec")
+    provider.load([{"text": "first"}, {"text": "second"}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    first = asyncio.ensure_future(complete(http, gateway, sid, body))
+    await asyncio.sleep(0.5)  # the provider has answered; the gateway is logging the end
+    follow = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "first"},
+                                   {"role": "user", "content": "more"}]}  # fmt: skip
+    waited = await complete(http, gateway, sid, follow)
+    assert waited.status_code == 503 and waited.json()["error"]["code"] == "LOG_UNAVAILABLE", waited.text
+    assert "x-should-retry" not in waited.headers
+    assert (await first).status_code == 200
+    assert (await complete(http, gateway, sid, follow)).status_code == 200
+
+
 @contextlib.asynccontextmanager
 async def gateway_process(
     url: str, provider_server: ServerThread
@@ -919,21 +952,25 @@ async def test_audit_exits_non_zero_when_there_are_findings(
     assert "MESSAGE_DIFFERS_FROM_CHUNKS" in capfd.readouterr().out
 
 
-async def test_a_session_held_by_a_writer_that_does_not_answer_is_busy_in_words_that_say_so(
+async def test_a_session_held_by_a_writer_that_does_not_answer_is_a_503_to_retry_when_its_lease_expires(
     http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, log: SessionLog
 ) -> None:
     """Held by a writer no gateway replica speaks for (an agent writing the session itself, or a gateway killed
-    whose lease has not expired yet): 409 `SESSION_BUSY` that says the holder does not answer and names its lease,
-    where it said "another gateway replica that is answering it" (found probing record mode, 2026-12-05)."""
+    whose lease has not expired yet): 503 `SESSION_HELD` that says the holder does not answer and names its lease,
+    with `retry-after` (its TTL), so that the SDKs retry when it can succeed. It was 409 `SESSION_BUSY` saying "another
+    gateway replica that is answering it", then 409 with `x-should-retry: false` saying the holder does not answer,
+    which made an unmodified client crash after any gateway kill -9 (found probing record mode, 2026-12-05)."""
     sid = new_session_id("rec")
     writer = await log.create(sid, tenant="tenant-a")
     try:
         provider.load([{"text": "never"}])
         body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
         refused = await complete(http, gateway, sid, body)
-        assert refused.status_code == 409 and refused.json()["error"]["code"] == "SESSION_BUSY", refused.text
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "SESSION_HELD", refused.text
         message = refused.json()["error"]["message"]
         assert "does not answer" in message and "held by" in message and "answering it" not in message, message
+        assert refused.headers["retry-after"] == str(math.ceil(log.settings.lease_ttl_s))
+        assert "x-should-retry" not in refused.headers
         assert provider.received == []
     finally:
         await writer.close()

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -41,6 +42,7 @@ from sessionlog.errors import (
     LogUnavailable,
     MethodNotAllowed,
     RouteNotFound,
+    SessionHeld,
     SessionLogError,
     StructureInvalid,
     http_status,
@@ -292,11 +294,11 @@ class Gateway:
         self.metrics.refusals.labels(err.code).inc()
         self.forwarder.log_call(call, "refused", code=err.code, path=path, status=http_status(err))
         status = http_status(err)
-        return JSONResponse(
-            error_body(err, request_id=call.request_id, path=path),
-            status_code=status,
-            headers={H_RESPONSE_REQUEST_ID: call.request_id, **no_retry(status)},
-        )
+        headers = {H_RESPONSE_REQUEST_ID: call.request_id, **no_retry(status)}
+        if isinstance(err, SessionHeld) and err.retry_after_s is not None:  # the SDKs wait that long to retry
+            headers["retry-after"] = str(math.ceil(err.retry_after_s))
+        return JSONResponse(error_body(err, request_id=call.request_id, path=path), status_code=status,
+                            headers=headers)  # fmt: skip
 
     refuse = _refuse
 

@@ -49,8 +49,10 @@ from starlette.responses import JSONResponse, Response
 from sessionlog.errors import (
     Conflict,
     LeaseHeld,
+    LogUnavailable,
     SessionAlreadyExists,
     SessionBusy,
+    SessionHeld,
     SessionLogError,
     SessionNotFound,
     http_status,
@@ -222,8 +224,13 @@ class Recorder:
             if not held.ending.is_set():
                 await _first_of(held.ending, held.idle, timeout=_BUSY_GRACE_S)
             if held.busy and held.ending.is_set():  # wait for its logging rather than refuse the next request
-                with contextlib.suppress(TimeoutError):
+                try:
                     await asyncio.wait_for(held.idle.wait(), _FINISH_WAIT_S)
+                except TimeoutError:
+                    raise LogUnavailable(
+                        f"session {session_id}: the answer before this request is still being logged after "
+                        f"{_FINISH_WAIT_S:g}s (the log is slow or unavailable); retry"
+                    ) from None
             held = self._held.get(session_id)
         if held is not None:
             if held.busy:
@@ -289,10 +296,12 @@ class Recorder:
                         f"session {session_id} is held by another gateway replica that is answering it"
                     ) from None
                 if answer != b"released":
-                    raise SessionBusy(
+                    ttl = held_by.ttl_s if held_by.ttl_s is not None else log_.settings.lease_ttl_s
+                    raise SessionHeld(
                         f"session {session_id} is held by a writer that does not answer the gateway (a gateway "
-                        f"that stopped without letting go, or an agent that writes the session itself): "
-                        f"{held_by.message}"
+                        f"that stopped without letting go, or an agent that writes the session itself); retry "
+                        f"once its lease has expired: {held_by.message}",
+                        retry_after_s=ttl,
                     ) from None
         raise SessionBusy(f"session {session_id} could not be taken")
 

@@ -210,9 +210,10 @@ class LogUnavailable(SessionLogError):
 
 
 class LeaseHeld(SessionLogError):
-    """Another holder has a live lease on the session."""
+    """Another holder has a live lease on the session (`ttl_s`: its time to live, when known)."""
 
     code = "LEASE_HELD"
+    ttl_s: float | None = None
 
 
 class LeaseLost(SessionLogError):
@@ -243,6 +244,17 @@ class SessionBusy(SessionLogError):
     """Another request of the session is being answered (here or by another gateway replica)."""
 
     code = "SESSION_BUSY"
+
+
+class SessionHeld(SessionLogError):
+    """The session's writer lease is held by a writer that does not answer (a gateway that died, an agent that
+    writes the session itself): a retry once the lease has expired can succeed, `retry_after_s` from now."""
+
+    code = "SESSION_HELD"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None, seq: int | None = None) -> None:
+        super().__init__(message, seq=seq)
+        self.retry_after_s = retry_after_s
 
 
 # --- the process and its JetStream resources ----------------------------------------------------------------
@@ -388,6 +400,7 @@ CODES: Final[Mapping[str, Code]] = _table(
     (OpenTurn, 409),
     (Conflict, 409),
     (SessionBusy, 409),
+    (SessionHeld, 503),
     (LeaseHeld, 409),
     (LeaseLost, 409),
     (PurgeRefused, 409),

@@ -153,10 +153,12 @@ class Leases:
         for _ in range(_ACQUIRE_ATTEMPTS):
             msg = await self._last(key)
             if msg is not None and (held := self._lease_of(key, msg)) is not None and not held.parked:
-                raise LeaseHeld(
+                refused = LeaseHeld(
                     f"lease of {key} held by {held.holder!r} (epoch {held.epoch}); "
                     f"it expires unless refreshed within {held.ttl_s:g}s"
                 )
+                refused.ttl_s = held.ttl_s
+                raise refused
             expected = (msg.seq or 0) if msg is not None else 0
             try:
                 seq = await self._write(key, _LeaseValue(holder=holder, ttl_s=ttl_s), expected, ttl)

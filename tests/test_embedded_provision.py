@@ -13,6 +13,7 @@ import stat
 import time
 from pathlib import Path
 
+import msgspec
 import nats
 import nats.js.errors
 import pytest
@@ -497,6 +498,27 @@ async def test_an_expired_lease_leaves_a_marker_and_can_be_taken_over(leases: Le
     assert taken.epoch > marker.revision
     with pytest.raises(LeaseLost, match="taken over by 'writer-b'"):
         await leases.refresh(lease)
+
+
+@on_module_loop
+async def test_a_lease_entry_the_server_kept_past_its_ttl_is_expired_and_can_be_taken_over(
+    leases: Leases, js: JetStreamContext
+) -> None:
+    """Found probing record mode, 2026-12-05: after nats-server restarts (its log: `TTL state is outdated`) lease
+    entries of a killed gateway were still served half an hour later, every request 409 and `repair-session` LEASE_HELD.
+    An entry written longer ago than twice its TTL (and a second) is taken for expired, whatever the server kept.
+    Here the entry is written without a Nats-TTL, as one the server never removes."""
+    sid = new_session_id()
+    value = msgspec.json.encode({"holder": "vm:6429:dead", "ttl_s": 1})
+    await js.publish(leases.subject(sid), value)
+    held = await leases.current(sid)
+    assert held is not None and held.holder == "vm:6429:dead"  # while it is young, it holds
+    with pytest.raises(LeaseHeld):
+        await leases.acquire(sid, "writer-b", 5)
+    await asyncio.sleep(3.2)  # past 2 x 1 s + 1 s
+    assert await leases.current(sid) is None
+    taken = await leases.acquire(sid, "writer-b", 5)
+    assert taken.holder == "writer-b" and await leases.current(sid) == taken
 
 
 @on_module_loop

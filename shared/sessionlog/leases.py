@@ -36,6 +36,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import msgspec
 import nats.js.errors
@@ -86,6 +87,17 @@ def ttl_header(ttl_s: float) -> str:
     return f"{math.ceil(ttl_s)}s"
 
 
+def _outlived(msg: RawStreamMsg, ttl_s: float) -> bool:
+    """Whether a lease entry was written longer ago than twice its TTL and a second: every live holder rewrites its
+    lease well within one TTL, so such an entry is one the server failed to remove (seen once after nats-server
+    restarts: `TTL state is outdated`, and entries of a killed holder still served half an hour later). The margin
+    covers clock skew between the server and this process."""
+    if msg.time is None:
+        return False
+    written = msg.time if msg.time.tzinfo is not None else msg.time.replace(tzinfo=UTC)
+    return (datetime.now(UTC) - written).total_seconds() > 2 * ttl_s + 1
+
+
 def _is_tombstone(msg: RawStreamMsg) -> bool:
     headers = msg.headers or {}
     return HDR_MARKER_REASON in headers or headers.get(HDR_KV_OPERATION) in ("DEL", "PURGE")
@@ -117,7 +129,10 @@ class Leases:
         if _is_tombstone(msg) or msg.seq is None:
             return None
         value = self._decoder.decode(msg.data or b"")
-        return Lease(key, value.holder, value.epoch or msg.seq, msg.seq, value.ttl_s)
+        lease = Lease(key, value.holder, value.epoch or msg.seq, msg.seq, value.ttl_s)
+        if not lease.parked and _outlived(msg, value.ttl_s):
+            return None  # expired: the server kept it past its Nats-TTL, and its holder has not written since
+        return lease
 
     @translates_unavailable("read the lease of {key}")
     async def current(self, key: str) -> Lease | None:

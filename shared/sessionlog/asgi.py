@@ -35,11 +35,21 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+# How long a stopping server lets its open requests (a long streamed answer) go on before it cancels them and runs
+# the app's lifespan shutdown, which must happen before `AsgiServer.stop` gives up on the server (its timeout):
+# the gateway's shutdown parks the leases of sessions whose client runs a tool, over the NATS connection that the
+# process closes next.
+GRACEFUL_SHUTDOWN_S = 7.0
+STOP_TIMEOUT_S = 10.0
+
+
 def uvicorn_config(app: Any, **options: Any) -> uvicorn.Config:
-    """Quiet by default (warnings only, no access log); the app's lifespan runs unless `lifespan="off"`."""
+    """Quiet by default (warnings only, no access log); the app's lifespan runs unless `lifespan="off"`; open
+    requests are cancelled `GRACEFUL_SHUTDOWN_S` into a shutdown."""
     options.setdefault("log_level", "warning")
     options.setdefault("access_log", False)
     options.setdefault("lifespan", "on")
+    options.setdefault("timeout_graceful_shutdown", GRACEFUL_SHUTDOWN_S)
     return uvicorn.Config(app, **options)
 
 
@@ -65,7 +75,7 @@ class AsgiServer:
             await self.stop()
             raise
 
-    async def stop(self, timeout_s: float = 10.0) -> None:
+    async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         self.server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await asyncio.wait_for(self.task, timeout_s)

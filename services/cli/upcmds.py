@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from sessionlog.connection import stop_embedded
+from sessionlog.connection import adopt_orphaned_embedded, stop_embedded
 from sessionlog.services import RunOptions
 from sessionlog.settings import Settings
 
@@ -50,6 +50,9 @@ def up() -> None:
     def ready(stack: Any) -> None:
         console.print(panel(settings, stack))
 
+    if settings.nats_url is None and (orphan := adopt_orphaned_embedded(settings)) is not None:
+        console.print(f"the embedded nats-server (pid {orphan.pid}) a killed sessionlog up left running is used, and "
+                      "stopped with this one")  # fmt: skip
     try:
         asyncio.run(run_until_signalled(available(), settings, RunOptions(), ready))
     finally:

@@ -9,9 +9,13 @@ Every connection is refused, and closed, when the server is older than 2.11.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import signal
 import ssl
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +35,7 @@ logger = logging.getLogger(__name__)
 # Tries per server of the first connect (nats-py counts retries: 1 means two tries, reconnect_time_wait apart).
 _INITIAL_CONNECT_ATTEMPTS = 1
 
-_EMBEDDED: dict[tuple[int, Path], EmbeddedServer] = {}
+_EMBEDDED: dict[tuple[int, Path], EmbeddedServer | OrphanedServer] = {}
 _EMBEDDED_LOCK = threading.Lock()
 
 
@@ -53,6 +57,78 @@ def on_error(nc: Client, listener: Callable[[Exception], None]) -> bool:
 
 def embedded_store_dir(settings: Settings) -> Path:
     return settings.data_dir / "nats"
+
+
+def owner_file(settings: Settings) -> Path:
+    """Which process started the embedded server of `settings.data_dir` (its pid, the server's pid, the port)."""
+    return settings.data_dir / "nats-server.owner.json"
+
+
+class OrphanedServer:
+    """An embedded nats-server whose owner died without stopping it (kill -9), taken on by `adopt_orphaned_embedded`:
+    stopped like one this process started."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    @property
+    def running(self) -> bool:
+        return _alive(self.pid)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM (a clean JetStream shutdown), then SIGKILL if it has not exited within `timeout`."""
+        for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                if not _alive(self.pid):
+                    return
+                time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not Path(f"/proc/{pid}/status").is_file() or "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+
+
+def adopt_orphaned_embedded(settings: Settings) -> OrphanedServer | None:
+    """Take on the embedded server of this data folder when the process that started it is gone (`sessionlog up`
+    killed with -9 leaves it running, and the next one used it and never stopped it): it is stopped with this
+    process's embedded servers (`stop_embedded`) from now on. The server, or None when there is no such orphan (no
+    owner file, its owner alive, or the process at that pid not this folder's nats-server)."""
+    try:
+        record = json.loads(owner_file(settings).read_text())
+        pid, owner = int(record["pid"]), int(record["owner"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if owner == os.getpid() or _alive(owner) or not _alive(pid):
+        return None
+    try:  # the pid may be reused by now: it must be a nats-server of this very store folder
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    if str(embedded_store_dir(settings)).encode() not in argv:
+        return None
+    key = (settings.embedded_port, settings.data_dir.resolve())
+    orphan = OrphanedServer(pid)
+    with _EMBEDDED_LOCK:
+        _EMBEDDED[key] = orphan
+    _write_owner(settings, pid)
+    logger.warning("adopted the embedded nats-server (pid %d) that a killed process %d left running", pid, owner)
+    return orphan
+
+
+def _write_owner(settings: Settings, pid: int) -> None:
+    record = {"pid": pid, "owner": os.getpid(), "port": settings.embedded_port}
+    owner_file(settings).write_text(json.dumps(record) + "\n")
 
 
 def ensure_embedded(settings: Settings) -> str:
@@ -79,6 +155,8 @@ def ensure_embedded(settings: Settings) -> str:
                 return url  # lost a start race with another process: use the winner's server
             raise
         _EMBEDDED[key] = server
+        if server.pid is not None:
+            _write_owner(settings, server.pid)
         return url
 
 

@@ -625,10 +625,10 @@ async def test_a_client_that_gives_up_on_an_answer_and_asks_again_at_once_is_ans
     retries refused on a loaded machine). Here the end of the first answer is made to come late, to show it."""
     real_ended = Exchange.ended
 
-    async def late_ended(self: Exchange, outcome: str, status: int, **kwargs: Any) -> None:
+    async def late_ended(self: Exchange, outcome: str, status: int, **kwargs: Any) -> bool:
         if outcome == "client_disconnected":
             await asyncio.sleep(0.3)  # the disconnect seen only after the retry came (a loaded machine)
-        await real_ended(self, outcome, status, **kwargs)
+        return await real_ended(self, outcome, status, **kwargs)
 
     monkeypatch.setattr(Exchange, "ended", late_ended)
     sid = new_session_id("rec")
@@ -729,10 +729,10 @@ async def test_a_request_that_waits_too_long_for_the_answer_before_it_to_be_logg
     monkeypatch.setattr(record_module, "_FINISH_WAIT_S", 0.3)
     real_ended = Exchange.ended
 
-    async def stuck_ended(self: Exchange, outcome: str, status: int, **kwargs: Any) -> None:
+    async def stuck_ended(self: Exchange, outcome: str, status: int, **kwargs: Any) -> bool:
         self.finishing()
         await asyncio.sleep(1.5)  # the end cannot be flushed for a while
-        await real_ended(self, outcome, status, **kwargs)
+        return await real_ended(self, outcome, status, **kwargs)
 
     monkeypatch.setattr(Exchange, "ended", stuck_ended)
     sid = new_session_id("rec")
@@ -747,6 +747,41 @@ async def test_a_request_that_waits_too_long_for_the_answer_before_it_to_be_logg
     assert "x-should-retry" not in waited.headers
     assert (await first).status_code == 200
     assert (await complete(http, gateway, sid, follow)).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_answer_whose_end_cannot_be_logged_never_reaches_the_client_as_complete(
+    http: httpx.AsyncClient,
+    gateway: ServerThread,
+    provider: ScriptedProvider,
+    log: SessionLog,
+    monkeypatch: pytest.MonkeyPatch,
+    stream: bool,
+) -> None:
+    """The log is unavailable when the answer ends: the client gets an error where it would have got `data: [DONE]`
+    (the SDKs raise it) or, not streamed, 503 LOG_UNAVAILABLE instead of the answer, so it never goes on from an answer
+    the log does not hold. Found probing record mode with nats-server stopped, 2026-12-05: the client had the whole
+    answer, the log 9 of 20 chunks and no end, and the next request logged the answer as the client's own message."""
+    from sessionlog.errors import LogUnavailable
+
+    async def unavailable(self: Exchange, *args: Any) -> None:
+        raise LogUnavailable("publish the end of the answer: no responders (nats-server stopped)")
+
+    monkeypatch.setattr(Exchange, "_log_end", unavailable)
+    sid = new_session_id("rec")
+    provider.load([{"text": "an answer the log will not hold"}])
+    body = {"model": "scripted-model", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    answered = await complete(http, gateway, sid, body)
+    if stream:
+        assert answered.status_code == 200
+        lines = [line for line in answered.text.splitlines() if line.startswith("data: ")]
+        assert "data: [DONE]" not in lines, lines
+        error = msgspec.json.decode(lines[-1][6:])["error"]
+        assert error["code"] == "LOG_UNAVAILABLE", lines[-1]
+        assert any('"content":"an ' in line for line in lines[:-1])  # the text came as it streamed, then the error
+    else:
+        assert answered.status_code == 503 and answered.json()["error"]["code"] == "LOG_UNAVAILABLE", answered.text
+        assert "x-should-retry" not in answered.headers
 
 
 @contextlib.asynccontextmanager
@@ -1129,7 +1164,8 @@ async def test_logging_a_chunk_never_holds_the_next_one_back(
 ) -> None:
     """The relay passes each piece of a streamed answer on as it comes, whatever logging the pieces before it costs:
     the chunks are logged in order, behind the relay, and all of them before the turn ends. (Logged inline, a piece
-    waited until the chunks of the piece before it were logged.)"""
+    waited until the chunks of the piece before it were logged.) Only the last line, `data: [DONE]`, waits until the
+    answer is logged: a client never has an answer as complete that the log does not hold."""
     sid = new_session_id("rec")
     provider.load([{"text": "one two three four five six seven eight nine ten", "chunk_delay_s": 0.02}])
     started = finished = 0
@@ -1170,7 +1206,7 @@ async def test_logging_a_chunk_never_holds_the_next_one_back(
                 next_request = asyncio.create_task(complete(http, gateway, sid, follow))
     assert lines[-1] == "data: [DONE]" and len(lines) >= 5
     assert relayed_during_a_log > 0, "every piece of the answer waited for the logging of the one before"
-    assert logged_at_done < started, "the last line reached the client only once every chunk was logged"
+    assert logged_at_done == started, "the last line reached the client before every chunk was logged"
     assert next_request is not None
     response = await next_request
     assert response.status_code == 200, response.text

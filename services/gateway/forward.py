@@ -19,7 +19,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from sessionlog.errors import SessionLogError, UpstreamError, http_status
+from sessionlog.errors import LogUnavailable, SessionLogError, UpstreamError, http_status
 from sessionlog.openai_wire import ends_with_done
 from sessionlog.record import H_RAW_OUTCOME, H_RAW_SESSION_SEQ, H_RAW_STATUS
 from sessionlog.tasks import detach
@@ -53,10 +53,11 @@ class Observer(Protocol):
 
     async def ended(
         self, outcome: str, status: int, *, body: bytes | None = None, message: str = "", code: str | None = None
-    ) -> None:
+    ) -> bool:
         """The exchange is over (called once): `forwarded` (with the whole body when not streamed),
         `client_disconnected` or `upstream_error` (`code`: the gateway's own finding, when the provider was not
-        reached or broke off, rather than answering an error status)."""
+        reached or broke off, rather than answering an error status). Whether its end is durably logged: an answer
+        whose end is not reaches the client as an error, never as complete."""
 
 
 class ClientGone(Exception):
@@ -207,10 +208,15 @@ class Forwarder:
                 await observer.ended("upstream_error", http_status(failure), message=str(failure), code=failure.code)
             return JSONResponse(error_body(failure, request_id=call.request_id), status_code=http_status(failure))
         await response.aclose()
+        logged = True
         if observer is not None:  # logged before the client has the answer: the session is free when it does
-            await observer.ended("forwarded", 200, body=data)
+            logged = await observer.ended("forwarded", 200, body=data)
         response_entry = ("response", data, self._response_headers(call, response.status_code, "complete"))
         self._finish(call, "forwarded", [request_entry, response_entry], upstream_s=time.perf_counter() - sent)
+        if not logged:  # the client never has an answer the log does not hold
+            unlogged = _unlogged(call.session_id)
+            return JSONResponse(error_body(unlogged, request_id=call.request_id), status_code=http_status(unlogged),
+                                headers={H_RESPONSE_REQUEST_ID: call.request_id})  # fmt: skip
         return Response(data, media_type=response.headers.get("content-type", "application/json"), headers=headers)
 
     async def _upstream_failed(self, request: Request, flight: _Flight) -> Response:
@@ -249,17 +255,31 @@ class Forwarder:
         outcome = "forwarded"
         code: str | None = None
         message = ""
+        last: bytes | None = None  # in record mode, the answer's `data: [DONE]` and what follows, held back
         try:
             async for chunk in response.aiter_raw():
                 chunks.append(chunk)
-                yield chunk
-                if observer is not None:
-                    await observer.relayed(chunk)
-                    observed += 1
+                if observer is None:
+                    yield chunk
+                    continue
+                if (cut := done_line_at(chunk)) >= 0:
+                    last = chunk[cut:]
+                    if cut:
+                        yield chunk[:cut]
+                else:
+                    yield chunk
+                await observer.relayed(chunk)
+                observed += 1
+                if last is not None:
+                    break  # the answer is over (a provider may keep its body open a while after the line)
             if observer is not None:  # logged before the response ends: the session is free when the client is
                 ending = True
                 # shielded: a client that hangs up after the last line must not cut the logging of its end short
-                await asyncio.shield(asyncio.ensure_future(observer.ended("forwarded", 200)))
+                if await asyncio.shield(asyncio.ensure_future(observer.ended("forwarded", 200))):
+                    if last is not None:
+                        yield last  # the answer is complete for the client once it is in the log
+                else:
+                    yield sse_error(_unlogged(call.session_id), call.request_id)
         except (asyncio.CancelledError, GeneratorExit):
             # A client that hangs up once it has the stream's last line (the OpenAI Python SDK closes a stream as
             # soon as it reads `data: [DONE]`, and a provider may end its body a moment later) had the whole answer.
@@ -361,6 +381,25 @@ async def _end_observed(
         for chunk in unobserved:
             await observer.relayed(chunk)
     await observer.ended(outcome, 200, message=message, code=code)
+
+
+def done_line_at(data: bytes) -> int:
+    """Where the SSE line `data: [DONE]` starts in `data`, or -1 (a line split over two pieces is not found: it is
+    then relayed as it comes)."""
+    at = data.find(b"[DONE]")
+    while at >= 0:
+        start = data.rfind(b"\n", 0, at) + 1
+        end = data.find(b"\n", at)
+        line = data[start : end if end >= 0 else len(data)].strip()
+        if line.startswith(b"data:") and line[5:].strip() == b"[DONE]":
+            return start
+        at = data.find(b"[DONE]", at + 6)
+    return -1
+
+
+def _unlogged(session_id: str) -> LogUnavailable:
+    return LogUnavailable(f"session {session_id}: the provider's answer could not be logged, so it is not given as "
+                          "complete; ask again (the log keeps what was logged of it)")  # fmt: skip
 
 
 def _close_later(response: UpstreamResponse) -> None:

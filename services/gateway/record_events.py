@@ -144,6 +144,7 @@ class Exchange:
         self.assembler = ResponseAssembler()
         self.chunk_seqs: list[int] = []
         self.ended_once = False
+        self.logged = False  # the end of the exchange is durably logged
         self._unread: list[bytes] = []  # bytes relayed, not yet read (`read_relayed`)
         self._reading: asyncio.TimerHandle | None = None
         self._relayed: deque[Any] = deque()  # lines read, not yet logged
@@ -196,10 +197,10 @@ class Exchange:
 
     async def ended(
         self, outcome: str, status: int, *, body: bytes | None = None, message: str = "", code: str | None = None
-    ) -> None:
-        """The exchange is over: log how it ended, and free the session."""
+    ) -> bool:
+        """The exchange is over: log how it ended, and free the session. Whether the end is durably logged."""
         if self.ended_once:
-            return
+            return self.logged
         self.ended_once = True
         self.read_relayed()
         self.finishing()
@@ -212,7 +213,9 @@ class Exchange:
             log.warning("record mode: logging the end of a response in %s failed: %s", self.session_id, err)
             broken = True
         finally:
+            self.logged = not broken
             self._free(broken)
+        return self.logged
 
     async def _log_end(self, outcome: str, status: int, body: bytes | None, message: str, code: str | None) -> None:
         if outcome == "forwarded" and status == 200:

@@ -65,3 +65,19 @@ def test_a_pid_that_is_not_this_folders_nats_server_is_never_taken_on(tmp_path: 
     assert adopt_orphaned_embedded(settings) is None
     owner_file(settings).write_text("not json")
     assert adopt_orphaned_embedded(settings) is None
+
+
+def test_a_taken_on_server_whose_pid_went_to_another_process_is_never_signalled() -> None:
+    """Found reviewing, 2026-12-05: the pid was checked once, when taken on; a server that exited later and whose
+    pid was reused would have had the other process killed at Ctrl-C. The process's start time tells them apart."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        server = OrphanedServer(other.pid)
+        assert server.running
+        server.started = "1"  # as if the server that had this pid had started at another time
+        assert not server.running
+        server.stop()
+        assert other.poll() is None  # left alone
+    finally:
+        other.kill()
+        other.wait(10)

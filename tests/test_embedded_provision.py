@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from natsfixtures import BackendUnavailable, container_server, docker_available, log_settings, new_session_id
 from scaffold import eventually
 
+from sessionlog import leases as leases_module
 from sessionlog.connection import connect, stop_embedded
 from sessionlog.embedded import (
     PORT_FLOOR,
@@ -502,12 +503,14 @@ async def test_an_expired_lease_leaves_a_marker_and_can_be_taken_over(leases: Le
 
 @on_module_loop
 async def test_a_lease_entry_the_server_kept_past_its_ttl_is_expired_and_can_be_taken_over(
-    leases: Leases, js: JetStreamContext
+    leases: Leases, js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Found probing record mode, 2026-12-05: after nats-server restarts (its log: `TTL state is outdated`) lease
     entries of a killed gateway were still served half an hour later, every request 409 and `repair-session` LEASE_HELD.
     An entry written longer ago than twice its TTL (and a second) is taken for expired, whatever the server kept.
-    Here the entry is written without a Nats-TTL, as one the server never removes."""
+    Here the entry is written without a Nats-TTL, as one the server never removes, and the margin for clock skew
+    (30 s) is 1 s."""
+    monkeypatch.setattr(leases_module, "STALE_MARGIN_S", 1.0)
     sid = new_session_id()
     value = msgspec.json.encode({"holder": "vm:6429:dead", "ttl_s": 1})
     await js.publish(leases.subject(sid), value)

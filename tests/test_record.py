@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import math
 import os
 import signal
@@ -488,6 +489,32 @@ async def test_another_tenants_key_gets_not_found_while_the_session_answers_too(
         assert foreign.status_code == 404 and foreign.json()["error"]["code"] == "SESSION_NOT_FOUND", foreign.text
         rest = [line async for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]" and len(rest) > 3  # the answer was still streaming when the other key came
+
+
+async def test_a_tenant_whose_request_is_still_unchecked_does_not_make_the_session_another_tenants(
+    http: httpx.AsyncClient, gateway: ServerThread, provider: ScriptedProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a first request with another tenant's key is still being checked against the log, the session is not
+    known to be that tenant's: a request meanwhile is busy (409), not told the session is not found (found reviewing
+    the early tenant check, 2026-12-05)."""
+    sid = new_session_id("rec")
+    real_header = SessionLog.header
+
+    async def slow_header(self: SessionLog, session_id: str) -> bytes | None:
+        if session_id == sid:
+            await asyncio.sleep(0.5)  # tenant B's request is being checked against the log
+        return await real_header(self, session_id)
+
+    monkeypatch.setattr(SessionLog, "header", slow_header)
+    provider.load([{"text": "yours"}])
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}]}
+    url = base(gateway, sid) + "/chat/completions"
+    async with httpx.AsyncClient(timeout=10) as other:
+        first = asyncio.ensure_future(other.post(url, json=body, headers={"authorization": f"Bearer {KEY_B}"}))
+        await asyncio.sleep(0.2)
+        meanwhile = await complete(http, gateway, sid, body)
+        assert (await first).status_code == 200
+    assert meanwhile.status_code == 409 and meanwhile.json()["error"]["code"] == "SESSION_BUSY", meanwhile.text
 
 
 # ---------------------------------------------------------------------------------------------- failures
@@ -1888,3 +1915,42 @@ async def test_a_provider_that_drops_mid_stream_ends_the_turn_with_the_failures_
     error = msgspec.json.decode(end.raw)["data"]["reason"]["error"]
     assert error["code"] in ("UPSTREAM_UNREACHABLE", "UPSTREAM_TIMEOUT") and error["code"] in error["message"], error
     assert "status" not in error
+
+
+STREAM_END = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\ndata: {"choices":[]}\r\n\r\ndata: [DONE]\n\n'
+
+
+@pytest.mark.parametrize("cuts", [(i,) for i in range(1, len(STREAM_END))] + [(60, 70), (72, 75, 80)])
+async def test_the_last_line_is_held_back_however_the_providers_bytes_are_cut(cuts: tuple[int, ...]) -> None:
+    """Found reviewing the relay, 2026-12-05: a `data: [DONE]` split over two pieces was relayed at once, so a client
+    could have an answer as complete before the log had it."""
+    from services.gateway.forward import DoneGate
+
+    bounds = [0, *cuts, len(STREAM_END)]
+    gate, relayed = DoneGate(), b""
+    for a, b in itertools.pairwise(bounds):
+        relayed += gate.feed(STREAM_END[a:b])
+        if gate.last is not None:
+            break
+    assert b"[DONE]" not in relayed
+    assert gate.last == b"data: [DONE]\n\n" and relayed + gate.last == STREAM_END
+
+
+@pytest.mark.parametrize(
+    ("pieces", "now", "last"),
+    [
+        ([b"data: [DONE]"], b"", b"data: [DONE]\n\n"),  # the blank line never came: the client still gets one
+        ([b'data: {"t":"[DONE]"}\n\n'], b'data: {"t":"[DONE]"}\n\n', None),  # the words inside a chunk
+        ([b"data: {}\n\nda"], b"data: {}\n\n", None),  # held: it may be the last line's start
+        ([b"data: {}\n\nda", b"ta: {}\n\n"], b"data: {}\n\ndata: {}\n\n", None),  # it was not
+        ([b"data:[DO", b"NE]\r\n\r\n"], b"", b"data:[DONE]\r\n\r\n"),
+    ],
+)
+async def test_the_done_gate_relays_everything_but_the_last_line(
+    pieces: list[bytes], now: bytes, last: bytes | None
+) -> None:
+    from services.gateway.forward import DoneGate
+
+    gate = DoneGate()
+    assert b"".join(gate.feed(p) for p in pieces) == now
+    assert gate.last == last

@@ -210,7 +210,8 @@ class Forwarder:
         await response.aclose()
         logged = True
         if observer is not None:  # logged before the client has the answer: the session is free when it does
-            logged = await observer.ended("forwarded", 200, body=data)
+            # shielded, as a stream's end is: a cancelled request (a shutdown) must not cut the logging short
+            logged = await asyncio.shield(asyncio.ensure_future(observer.ended("forwarded", 200, body=data)))
         response_entry = ("response", data, self._response_headers(call, response.status_code, "complete"))
         self._finish(call, "forwarded", [request_entry, response_entry], upstream_s=time.perf_counter() - sent)
         if not logged:  # the client never has an answer the log does not hold
@@ -255,29 +256,27 @@ class Forwarder:
         outcome = "forwarded"
         code: str | None = None
         message = ""
-        last: bytes | None = None  # in record mode, the answer's `data: [DONE]` and what follows, held back
+        gate = DoneGate()  # in record mode, the answer's last line waits until the answer is logged
         try:
             async for chunk in response.aiter_raw():
                 chunks.append(chunk)
                 if observer is None:
                     yield chunk
                     continue
-                if (cut := done_line_at(chunk)) >= 0:
-                    last = chunk[cut:]
-                    if cut:
-                        yield chunk[:cut]
-                else:
-                    yield chunk
+                if now := gate.feed(chunk):
+                    yield now
                 await observer.relayed(chunk)
                 observed += 1
-                if last is not None:
+                if gate.last is not None:
                     break  # the answer is over (a provider may keep its body open a while after the line)
             if observer is not None:  # logged before the response ends: the session is free when the client is
+                if gate.held:
+                    yield gate.held  # the body ended inside a line: it was not the last line
                 ending = True
                 # shielded: a client that hangs up after the last line must not cut the logging of its end short
                 if await asyncio.shield(asyncio.ensure_future(observer.ended("forwarded", 200))):
-                    if last is not None:
-                        yield last  # the answer is complete for the client once it is in the log
+                    if gate.last is not None:
+                        yield gate.last  # the answer is complete for the client once it is in the log
                 else:
                     yield sse_error(_unlogged(call.session_id), call.request_id)
         except (asyncio.CancelledError, GeneratorExit):
@@ -383,9 +382,42 @@ async def _end_observed(
     await observer.ended(outcome, 200, message=message, code=code)
 
 
+class DoneGate:
+    """A streamed answer's bytes as record mode relays them: at once, but for its last line, `data: [DONE]`, which
+    waits until the answer is logged (`last`, ending in a blank line). A piece's unfinished last line that could be
+    the start of `data: [DONE]` is held until the next piece tells (`held`), so a done line split over two pieces
+    is found too."""
+
+    __slots__ = ("held", "last")
+
+    def __init__(self) -> None:
+        self.held = b""
+        self.last: bytes | None = None
+
+    def feed(self, piece: bytes) -> bytes:
+        """The bytes of `piece` to relay now (with what was held before it)."""
+        data = self.held + piece if self.held else piece
+        self.held = b""
+        cut = done_line_at(data)
+        if cut >= 0:
+            last = data[cut:]
+            if not last.endswith((b"\n\n", b"\r\n\r\n")):
+                last = last.rstrip(b"\r\n") + b"\n\n"
+            self.last = last
+            return data[:cut]
+        line_start = data.rfind(b"\n") + 1
+        tail = data[line_start:].rstrip(b"\r")
+        if tail and any(form.startswith(tail) for form in _DONE_FORMS):
+            self.held = data[line_start:]
+            return data[:line_start]
+        return data
+
+
+_DONE_FORMS: Final = (b"data: [DONE]", b"data:[DONE]")
+
+
 def done_line_at(data: bytes) -> int:
-    """Where the SSE line `data: [DONE]` starts in `data`, or -1 (a line split over two pieces is not found: it is
-    then relayed as it comes)."""
+    """Where the SSE line `data: [DONE]` starts in `data`, or -1."""
     at = data.find(b"[DONE]")
     while at >= 0:
         start = data.rfind(b"\n", 0, at) + 1

@@ -216,7 +216,9 @@ class Recorder:
     async def _claim(self, session_id: str, tenant: str) -> _Held:
         """Mark the session busy for this request (synchronously, before any wait), or refuse."""
         held = self._held.get(session_id)
-        if held is not None and held.tenant != tenant:  # before anything that would tell it the session is in use
+        # Before anything that would tell another tenant the session is in use; a held session's tenant is known
+        # once its writer is open (checked against the log's header), not while a first request is on its way.
+        if held is not None and held.writer is not None and held.tenant != tenant:
             raise SessionNotFound(f"session {session_id} not found")
         if held is not None and held.busy:
             if held.exchange is not None:

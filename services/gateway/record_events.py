@@ -190,10 +190,14 @@ class Exchange:
                 await self._chunk(chunk)
 
     async def _logged_relayed(self) -> None:
-        """Once every relayed byte is logged (raises what logging them raised)."""
-        while self._logging is not None:
-            logging_, self._logging = self._logging, None
-            await logging_
+        """Once every relayed byte is logged (raises what logging them raised). The task stays `_logging` while it
+        runs, so that lines read meanwhile (`read_relayed`) join it rather than start a second one."""
+        while (logging_ := self._logging) is not None:
+            try:
+                await logging_
+            finally:
+                if self._logging is logging_:
+                    self._logging = None
 
     async def ended(
         self, outcome: str, status: int, *, body: bytes | None = None, message: str = "", code: str | None = None
@@ -212,6 +216,9 @@ class Exchange:
         except SessionLogError as err:
             log.warning("record mode: logging the end of a response in %s failed: %s", self.session_id, err)
             broken = True
+        except BaseException:  # cancelled (a shutdown) or a bug: the end may not be durable
+            broken = True
+            raise
         finally:
             self.logged = not broken
             self._free(broken)

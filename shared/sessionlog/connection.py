@@ -70,23 +70,39 @@ class OrphanedServer:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self.started = _start_time(pid)  # a pid is reused once its process has gone: this tells them apart
 
     @property
     def running(self) -> bool:
-        return _alive(self.pid)
+        return self._ours()
+
+    def _ours(self) -> bool:
+        """Whether the process at its pid is still the server taken on (alive, and started when it did)."""
+        return self.started is not None and _alive(self.pid) and _start_time(self.pid) == self.started
 
     def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM (a clean JetStream shutdown), then SIGKILL if it has not exited within `timeout`."""
+        """SIGTERM (a clean JetStream shutdown), then SIGKILL if it has not exited within `timeout`; nothing once
+        the process at its pid is another one."""
         for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            if not self._ours():
+                return
             try:
                 os.kill(self.pid, sig)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 return
             deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline:
-                if not _alive(self.pid):
-                    return
+            while time.monotonic() < deadline and self._ours():
                 time.sleep(0.05)
+
+
+def _start_time(pid: int) -> str | None:
+    """When the process at `pid` started (clock ticks since boot, from /proc), or None when it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # after the command name, which may hold spaces
+    return fields[19] if len(fields) > 19 else None
 
 
 def _alive(pid: int) -> bool:
@@ -106,10 +122,10 @@ def adopt_orphaned_embedded(settings: Settings) -> OrphanedServer | None:
     owner file, its owner alive, or the process at that pid not this folder's nats-server)."""
     try:
         record = json.loads(owner_file(settings).read_text())
-        pid, owner = int(record["pid"]), int(record["owner"])
+        pid, owner, port = int(record["pid"]), int(record["owner"]), int(record["port"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if owner == os.getpid() or _alive(owner) or not _alive(pid):
+    if port != settings.embedded_port or owner == os.getpid() or _alive(owner) or not _alive(pid):
         return None
     try:  # the pid may be reused by now: it must be a nats-server of this very store folder
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -119,6 +135,8 @@ def adopt_orphaned_embedded(settings: Settings) -> OrphanedServer | None:
         return None
     key = (settings.embedded_port, settings.data_dir.resolve())
     orphan = OrphanedServer(pid)
+    if not orphan.running:
+        return None
     with _EMBEDDED_LOCK:
         _EMBEDDED[key] = orphan
     _write_owner(settings, pid)

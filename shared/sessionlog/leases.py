@@ -87,15 +87,19 @@ def ttl_header(ttl_s: float) -> str:
     return f"{math.ceil(ttl_s)}s"
 
 
+# How far this host's clock may be ahead of the server's before a live lease could look outlived (`_outlived`).
+STALE_MARGIN_S = 30.0
+
+
 def _outlived(msg: RawStreamMsg, ttl_s: float) -> bool:
-    """Whether a lease entry was written longer ago than twice its TTL and a second: every live holder rewrites its
-    lease well within one TTL, so such an entry is one the server failed to remove (seen once after nats-server
-    restarts: `TTL state is outdated`, and entries of a killed holder still served half an hour later). The margin
-    covers clock skew between the server and this process."""
+    """Whether a lease entry was written longer ago than twice its TTL (and `STALE_MARGIN_S`): every live holder
+    rewrites its lease well within one TTL, so such an entry is one the server failed to remove (seen once after
+    nats-server restarts: `TTL state is outdated`, and entries of a killed holder still served half an hour later).
+    The entry's time is the server's clock, compared with this host's: the margin covers their skew."""
     if msg.time is None:
         return False
     written = msg.time if msg.time.tzinfo is not None else msg.time.replace(tzinfo=UTC)
-    return (datetime.now(UTC) - written).total_seconds() > 2 * ttl_s + 1
+    return (datetime.now(UTC) - written).total_seconds() > 2 * ttl_s + STALE_MARGIN_S
 
 
 def _is_tombstone(msg: RawStreamMsg) -> bool:

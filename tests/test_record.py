@@ -1272,6 +1272,29 @@ async def test_relayed_bytes_are_read_and_logged_only_once_the_event_loop_could_
                       {"type": "text-delta", "index": 0, "text": "hi"}]  # fmt: skip
 
 
+async def test_an_answer_end_whose_logging_is_cancelled_counts_as_not_logged() -> None:
+    """A shutdown that cancels the logging of an answer's end: the end is not taken for durable and the session's
+    writer is let go as broken (found reviewing, 2026-12-05: it counted as logged, the session freed as whole)."""
+
+    class SlowSink(DryRun):
+        async def flush(self) -> None:
+            await asyncio.sleep(30)
+
+    sink = SlowSink(1 << 20)
+    await sink.emit("turn/start", {"turn": 1})
+    await sink.emit("step/start", {"turn": 1, "step": 1})
+    await sink.emit("request/header", {"header": {"config": {"provider": "p", "model": "m"}}, "reason": "initial"})
+    freed: list[bool] = []
+    exchange = Exchange("s", sink, "scripted", lambda: None, freed.append, {}, b"", 1, 1)  # type: ignore[arg-type]
+    body = msgspec.json.encode({"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]})
+    ending = asyncio.ensure_future(exchange.ended("forwarded", 200, body=body))
+    await asyncio.sleep(0.05)  # waiting for the flush
+    ending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await ending
+    assert exchange.logged is False and freed == [True]
+
+
 async def test_a_request_sent_at_the_last_line_waits_for_the_answer_not_yet_read(
     http: httpx.AsyncClient,
     gateway: ServerThread,

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from sessionlog.errors import LogUnavailable, SessionLogError, UpstreamError, http_status
-from sessionlog.openai_wire import ends_with_done
+from sessionlog.openai_wire import done_line_at, ends_with_done
 from sessionlog.record import H_RAW_OUTCOME, H_RAW_SESSION_SEQ, H_RAW_STATUS
 from sessionlog.tasks import detach
 
@@ -414,19 +414,6 @@ class DoneGate:
 
 
 _DONE_FORMS: Final = (b"data: [DONE]", b"data:[DONE]")
-
-
-def done_line_at(data: bytes) -> int:
-    """Where the SSE line `data: [DONE]` starts in `data`, or -1."""
-    at = data.find(b"[DONE]")
-    while at >= 0:
-        start = data.rfind(b"\n", 0, at) + 1
-        end = data.find(b"\n", at)
-        line = data[start : end if end >= 0 else len(data)].strip()
-        if line.startswith(b"data:") and line[5:].strip() == b"[DONE]":
-            return start
-        at = data.find(b"[DONE]", at + 6)
-    return -1
 
 
 def _unlogged(session_id: str) -> LogUnavailable:

@@ -20,7 +20,7 @@ from sessionlog.events import Event, encode_new_event
 from sessionlog.log import SessionWriter
 from sessionlog.session import Session
 from sessionlog.store import check_event_size
-from sessionlog.wireforms import ResponseAssembler, SseLines
+from sessionlog.wireforms import ResponseAssembler, SseLines, first_repeat
 
 from .record_plan import New, Plan, new_id
 
@@ -105,15 +105,6 @@ async def _tool_result(writer: EventSink, turn: int, step: int, item: New, call_
     data = {"turn": turn, "step": step, "message": item.message}
     seqs = [call_seq] if call_seq is not None else UNSET
     await writer.emit("tool/result", data, surface_op="append", source_event_seqs=seqs)
-
-
-def _repeated_call_id(calls: list[dict[str, str]]) -> str | None:
-    seen: set[str] = set()
-    for call in calls:
-        if call["id"] in seen:
-            return call["id"]
-        seen.add(call["id"])
-    return None
 
 
 class Exchange:
@@ -260,7 +251,9 @@ class Exchange:
         if body is None:
             for chunk in assembler.end():
                 await self._chunk(chunk)
-        if (twice := _repeated_call_id(assembler.calls())) is not None:
+        calls = assembler.calls()
+        if (i := first_repeat(c["id"] for c in calls)) is not None:
+            twice = calls[i]["id"]
             await self._close("error", {"message": f"the provider's answer has two tool calls with id {twice!r}: no "
                                         "tool result could say which it answers, so they are not logged as calls",
                                         "code": "UPSTREAM_ERROR"})  # fmt: skip

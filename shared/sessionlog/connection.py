@@ -112,7 +112,10 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return not Path(f"/proc/{pid}/status").is_file() or "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()  # a zombie has exited
+    except OSError:
+        return True  # no /proc to tell
 
 
 def adopt_orphaned_embedded(settings: Settings) -> OrphanedServer | None:
@@ -125,9 +128,9 @@ def adopt_orphaned_embedded(settings: Settings) -> OrphanedServer | None:
         pid, owner, port = int(record["pid"]), int(record["owner"]), int(record["port"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if port != settings.embedded_port or owner == os.getpid() or _alive(owner) or not _alive(pid):
+    if port != settings.embedded_port or owner == os.getpid() or _alive(owner):
         return None
-    try:  # the pid may be reused by now: it must be a nats-server of this very store folder
+    try:  # gone, or the pid reused by now: it must be a nats-server of this very store folder
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return None

@@ -232,8 +232,7 @@ class ResponseAssembler:
 
     def take(self, chunk: ChatCompletionChunk) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        if chunk.error is not None and self.error is None:
-            self.error = error_words(chunk.error)
+        self._note_error(chunk.error)
         if chunk.usage is not None:
             self.reported = chunk.usage
             usage = chunk.usage.logged()
@@ -289,8 +288,7 @@ class ResponseAssembler:
         self.take_completion(obj)
 
     def take_completion(self, completion: ChatCompletion) -> None:
-        if completion.error is not None and self.error is None:
-            self.error = error_words(completion.error)
+        self._note_error(completion.error)
         self.reported = completion.usage
         self.usage = completion.usage.logged() if completion.usage is not None else None
         for choice in completion.choices or ():
@@ -301,6 +299,10 @@ class ResponseAssembler:
             self._delta(message.reasoning_content, _said(message), calls, [])
             if choice.finish_reason is not None:
                 self._finish = choice.finish_reason
+
+    def _note_error(self, error: ChatError | str | None) -> None:
+        if error is not None and self.error is None:
+            self.error = error_words(error)
 
     def _block(self, key: str) -> dict[str, Any]:
         if key.startswith("call"):
@@ -388,7 +390,23 @@ def ends_with_done(pieces: list[bytes]) -> bool:
         tail = piece + tail
         if len(tail.rstrip(b"\r\n")) >= 64:
             break
-    line = tail.rstrip(b"\r\n").rpartition(b"\n")[2]
+    return is_done_line(tail.rstrip(b"\r\n").rpartition(b"\n")[2])
+
+
+def done_line_at(data: bytes) -> int:
+    """Where the SSE line `data: [DONE]` starts in `data`, or -1."""
+    at = data.find(b"[DONE]")
+    while at >= 0:
+        start = data.rfind(b"\n", 0, at) + 1
+        end = data.find(b"\n", at)
+        if is_done_line(data[start : end if end >= 0 else len(data)].strip()):
+            return start
+        at = data.find(b"[DONE]", at + 6)
+    return -1
+
+
+def is_done_line(line: bytes) -> bool:
+    """Whether an SSE line (without its line end) is a stream's last, `data: [DONE]`."""
     return line.startswith(b"data:") and line[5:].strip() == b"[DONE]"
 
 
@@ -473,8 +491,10 @@ __all__ = [
     "ToolCallDelta",
     "chunk_decoder",
     "completion_decoder",
+    "done_line_at",
     "error_text",
     "error_words",
+    "is_done_line",
     "parse_raw_response",
     "request_decoder",
     "usage_of",

@@ -42,7 +42,7 @@ Responses are not here: the OpenAI response Structs and `ResponseAssembler` live
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 import msgspec
@@ -218,14 +218,13 @@ def logged_message(wire: Mapping[str, Any], message_id: str, where: str = "$.mes
         if wire.get("reasoning_content"):
             content.append({"type": "reasoning", "text": wire["reasoning_content"]})
         content += blocks
-        seen: set[str] = set()
-        for i, call in enumerate(wire.get("tool_calls") or ()):
-            if call["id"] in seen:
-                raise UnsupportedContent(
-                    f"{where}.tool_calls[{i}].id: a second tool call with id {call['id']!r} in one message; no tool "
-                    "result could say which of the two it answers"
-                )
-            seen.add(call["id"])
+        calls = wire.get("tool_calls") or ()
+        if (i := first_repeat(call["id"] for call in calls)) is not None:
+            raise UnsupportedContent(
+                f"{where}.tool_calls[{i}].id: a second tool call with id {calls[i]['id']!r} in one message; no tool "
+                "result could say which of the two it answers"
+            )
+        for call in calls:
             function = call["function"]
             content.append(
                 {"type": "tool-call", "id": call["id"], "name": function["name"], "arguments": function["arguments"]}
@@ -233,6 +232,16 @@ def logged_message(wire: Mapping[str, Any], message_id: str, where: str = "$.mes
         return {"id": message_id, "role": "assistant", "source": {"kind": "client"}, "content": content}
     raise UnsupportedContent(f"{where}: role {role!r} has no logged form (only a first system or developer "
                              "message, user, assistant and tool messages do)")  # fmt: skip
+
+
+def first_repeat(ids: Iterable[str]) -> int | None:
+    """The index of the first id that came before in `ids` (two tool calls of one message with one id), or None."""
+    seen: set[str] = set()
+    for i, one in enumerate(ids):
+        if one in seen:
+            return i
+        seen.add(one)
+    return None
 
 
 # OpenAI's function calling before tools: the answer's `function_call` is not a tool call and nothing logs it.
@@ -277,7 +286,7 @@ def request_header(
             raise UnsupportedContent(f"$.{field}: a request field by this name cannot be logged in request/header: "
                                      "its config key (camelCase) would not give the name back; a field name is "
                                      "lowercase words joined by single underscores")  # fmt: skip
-        if key in ("provider", "model", SYSTEM_ROLE_KEY):
+        if key in _OWN_KEYS:
             raise UnsupportedContent(f"$.{field}: a request field by this name cannot be logged in request/header: "
                                      f"config.{key} holds the header's own {_OWN_KEYS[key]}")  # fmt: skip
         config[key] = value
@@ -317,6 +326,7 @@ __all__ = [
     "canonical",
     "config_key",
     "content_text",
+    "first_repeat",
     "logged_message",
     "normal_message",
     "normal_numbers",

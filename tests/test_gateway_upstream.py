@@ -121,7 +121,8 @@ def test_a_script_is_checked_when_it_is_loaded_and_a_bad_one_changes_nothing(
     with pytest.raises(ScriptError, match=r"Expected `float`, got `str` - at `\$\[1\].delay_s`"):
         scripted.load([{"text": "fine"}, {"delay_s": "soon"}])
     bad = [b"[{", b'{"text": "an object"}', b"{}", b"5", b"null", b'[{"status": 99}]',
-           b'[{"tool_calls": [{"id": "c1", "name": 3}]}]']  # fmt: skip
+           b'[{"tool_calls": [{"id": "c1", "name": 3}]}]', b'[{"error_after": -1}]', b'[{"headers": {"a": 1}}]',
+           b'[{"headers": "retry-after: 2"}]']  # fmt: skip
     for body in bad:
         answer = httpx.post(server.url + "/_scripted/script", content=body)
         assert answer.status_code == 400, (body, answer.text)
